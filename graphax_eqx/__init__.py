@@ -1,0 +1,12 @@
+"""Jacobians by vertex elimination (cross-country elimination) for JAX and Equinox."""
+
+from ._jacve import (
+    Graph as Graph,
+    jacve as jacve,
+    make_graph as make_graph,
+    value_and_jacve as value_and_jacve,
+)
+from ._sparse import SparseTensor as SparseTensor
+
+
+__version__ = "0.1.0"

@@ -1,0 +1,271 @@
+"""From a jaxpr to the computational graph.
+
+Call-like equations (`jit`, `closed_call`, `checkpoint`) are inlined recursively, so
+the graph sees every primitive. Every variable is a vertex; an equation with several
+outputs defines several vertices. Variables that do not depend differentiably on a
+differentiated input, or that no output depends on, are pruned. Each output gets an
+output vertex of its own, joined to its variable by an identity edge, so every
+original variable is an intermediate that an order may eliminate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+from . import _jax_private as jp
+from ._rules import get_rule, zero_derivative
+from ._sparse import Partial, add, diagonal
+
+
+@dataclasses.dataclass(frozen=True)
+class Lit:
+    """A constant operand: a literal or a closed-over array."""
+
+    value: Any
+
+
+Atom = int | Lit  # variable id, or a constant
+
+
+@dataclasses.dataclass(frozen=True)
+class Eqn:
+    prim: Any
+    params: dict[str, Any]
+    invars: tuple[Atom, ...]
+    outvars: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A jaxpr with every call-like equation inlined; variables are integers."""
+
+    eqns: tuple[Eqn, ...]
+    invars: tuple[int, ...]
+    outvars: tuple[Atom, ...]
+    avals: dict[int, tuple[tuple[int, ...], Any]]  # id -> (shape, dtype)
+
+
+def inline(closed_jaxpr) -> Program:
+    """Flatten a `ClosedJaxpr`, inlining `jit` / `closed_call` / `checkpoint` bodies."""
+    counter = iter(range(1 << 62))
+    avals: dict[int, tuple[tuple[int, ...], Any]] = {}
+    eqns: list[Eqn] = []
+
+    def new_var(var) -> int:
+        vid = next(counter)
+        avals[vid] = (tuple(int(s) for s in var.aval.shape), var.aval.dtype)
+        return vid
+
+    def visit(jaxpr, const_atoms: Sequence[Atom], in_atoms: Sequence[Atom]):
+        env: dict[Any, Atom] = {}
+        for var, atom in zip(jaxpr.constvars, const_atoms, strict=True):
+            env[var] = atom
+        for var, atom in zip(jaxpr.invars, in_atoms, strict=True):
+            env[var] = atom
+
+        def read(v) -> Atom:
+            if isinstance(v, jp.Literal):
+                return Lit(v.val)
+            return env[v]
+
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            inner = jp.inner_jaxpr(eqn)
+            if inner is not None:
+                sub_jaxpr, sub_consts = inner
+                outs = visit(sub_jaxpr, [Lit(c) for c in sub_consts], ins)
+                for var, atom in zip(eqn.outvars, outs, strict=True):
+                    if not isinstance(var, jp.DropVar):
+                        env[var] = atom
+                continue
+            outs = []
+            for var in eqn.outvars:
+                vid = new_var(var)
+                outs.append(vid)
+                if not isinstance(var, jp.DropVar):
+                    env[var] = vid
+            eqns.append(Eqn(eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs)))
+        return [read(v) for v in jaxpr.outvars]
+
+    jaxpr = closed_jaxpr.jaxpr
+    invars = [new_var(v) for v in jaxpr.invars]
+    outvars = visit(jaxpr, [Lit(c) for c in closed_jaxpr.consts], invars)
+    return Program(tuple(eqns), tuple(invars), tuple(outvars), avals)
+
+
+def _is_float_dtype(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """Which variables are vertices, and their numbering.
+
+    - `vid`: variable id -> vertex id (inputs negative, intermediates `1..N`).
+    - `inputs`: vertex ids of the differentiated flat inputs, in order.
+    - `intermediates`: eliminable vertex ids, ascending.
+    - `outputs`: for each flat output, its output vertex id or `None` (constant
+      with respect to the differentiated inputs).
+    - `output_sources`: for each output vertex, the vertex id feeding it.
+    """
+
+    vid: dict[int, int]
+    inputs: tuple[int, ...]
+    intermediates: tuple[int, ...]
+    outputs: tuple[int | None, ...]
+    output_sources: dict[int, int]
+    primitive_of: dict[int, str]
+    shape_of: dict[int, tuple[int, ...]]
+    dtype_of: dict[int, Any]
+
+
+def analyse(program: Program, diff_mask: Sequence[bool]) -> Structure:
+    """Number the vertices: active (depend on a differentiated input) and needed."""
+    avals = program.avals
+    active: set[int] = set()
+    for var, d in zip(program.invars, diff_mask, strict=True):
+        if d:
+            active.add(var)
+    producer: dict[int, Eqn] = {}
+    for eqn in program.eqns:
+        for v in eqn.outvars:
+            producer[v] = eqn
+        if eqn.prim in zero_derivative:
+            continue
+        if any(isinstance(a, int) and a in active for a in eqn.invars):
+            for v in eqn.outvars:
+                if _is_float_dtype(avals[v][1]):
+                    active.add(v)
+    needed: set[int] = set()
+    for atom in program.outvars:
+        if isinstance(atom, int) and atom in active:
+            needed.add(atom)
+    for eqn in reversed(program.eqns):
+        if any(v in needed for v in eqn.outvars):
+            for a in eqn.invars:
+                if isinstance(a, int) and a in active:
+                    needed.add(a)
+    vid: dict[int, int] = {}
+    inputs = []
+    k = 0
+    for var, d in zip(program.invars, diff_mask, strict=True):
+        if d:
+            k += 1
+            vid[var] = -k
+            inputs.append(-k)
+    n = 0
+    primitive_of, shape_of, dtype_of = {}, {}, {}
+    for eqn in program.eqns:
+        for v in eqn.outvars:
+            if v in needed:
+                n += 1
+                vid[v] = n
+                primitive_of[n] = str(eqn.prim)
+    for var, v in vid.items():
+        shape_of[v], dtype_of[v] = avals[var]
+        if v < 0:
+            primitive_of[v] = "input"
+    outputs: list[int | None] = []
+    output_sources = {}
+    m = n
+    for atom in program.outvars:
+        if isinstance(atom, int) and atom in needed:
+            m += 1
+            outputs.append(m)
+            output_sources[m] = vid[atom]
+            shape_of[m], dtype_of[m] = avals[atom]
+            primitive_of[m] = "output"
+        else:
+            outputs.append(None)
+    return Structure(
+        vid,
+        tuple(inputs),
+        tuple(range(1, n + 1)),
+        tuple(outputs),
+        output_sources,
+        primitive_of,
+        shape_of,
+        dtype_of,
+    )
+
+
+class EdgeGraph:
+    """Edges `succ[u][w]` and `pred[w][u]` holding the same partial `∂w/∂u`."""
+
+    def __init__(self):
+        self.succ: dict[int, dict[int, Any]] = {}
+        self.pred: dict[int, dict[int, Any]] = {}
+
+    def add_vertex(self, v: int):
+        self.succ.setdefault(v, {})
+        self.pred.setdefault(v, {})
+
+    def set(self, u: int, w: int, edge):
+        self.succ[u][w] = edge
+        self.pred[w][u] = edge
+
+    def copy_with(self, fn) -> EdgeGraph:
+        out = EdgeGraph()
+        for v in self.succ:
+            out.add_vertex(v)
+        for u, row in self.succ.items():
+            for w, e in row.items():
+                out.set(u, w, fn(e))
+        return out
+
+
+def evaluate(
+    program: Program, structure: Structure, flat_args: Sequence[Any]
+) -> tuple[list[Any], EdgeGraph, int]:
+    """Run the program, computing primal values and the partials of every edge.
+
+    Returns the flat primal outputs, the graph and the additions spent accumulating
+    partials of a variable used several times by one equation.
+    """
+    vid = structure.vid
+    env: dict[int, Any] = {}
+    for var, val in zip(program.invars, flat_args, strict=True):
+        env[var] = val
+
+    def read(atom):
+        return atom.value if isinstance(atom, Lit) else env[atom]
+
+    graph = EdgeGraph()
+    for v in structure.inputs:
+        graph.add_vertex(v)
+    for v in structure.intermediates:
+        graph.add_vertex(v)
+    adds = 0
+    for eqn in program.eqns:
+        ins = [read(a) for a in eqn.invars]
+        out_vertices = [vid.get(v) for v in eqn.outvars]
+        need = [isinstance(a, int) and a in vid for a in eqn.invars]
+        if any(o is not None for o in out_vertices) and any(need):
+            outs, partials = get_rule(eqn.prim)(ins, need, **eqn.params)
+            for (k, i), partial in partials.items():
+                w = out_vertices[k]
+                if w is None or not need[i]:
+                    continue
+                u = vid[eqn.invars[i]]  # pyright: ignore
+                old = graph.succ[u].get(w)
+                if old is not None:
+                    partial, n = add(old, partial)
+                    adds += n
+                graph.set(u, w, partial)
+        else:
+            outs = jp.bind(eqn.prim, eqn.params, *ins)
+        for v, val in zip(eqn.outvars, outs, strict=True):
+            env[v] = val
+    flat_out = [read(a) for a in program.outvars]
+    for o, src in structure.output_sources.items():
+        graph.add_vertex(o)
+        shape, dtype = structure.shape_of[o], structure.dtype_of[o]
+        graph.set(src, o, diagonal(None, shape, dtype))
+    return flat_out, graph, adds
+
+
+Edge = Partial

@@ -1,0 +1,577 @@
+"""`jacve`, `value_and_jacve` and `make_graph`: the public entry points."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from ._eliminate import real_add, real_product, run_order, sim_edge, simulate
+from ._graph import EdgeGraph, Program, Structure, analyse, evaluate, inline
+from ._orders import normalise_order, resolve
+from ._sparse import LinearMap, SparseTensor, from_labeled, to_sparse
+
+
+#
+# Argument handling.
+#
+
+
+def _normalise_argnums(argnums) -> tuple[tuple[int, ...], bool]:
+    """(argnums as a tuple, whether the caller passed a tuple)."""
+    if isinstance(argnums, (int, np.integer)) and not isinstance(argnums, bool):
+        return (int(argnums),), False
+    if isinstance(argnums, (tuple, list)) and all(
+        isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in argnums
+    ):
+        if len(argnums) == 0:
+            raise ValueError("`jacve` got `argnums=()`; pass at least one argument index.")
+        return tuple(int(a) for a in argnums), True
+    raise TypeError(
+        f"`jacve` got `argnums={argnums!r}`; it must be an int or a tuple of ints, "
+        "as for `jax.jacrev`."
+    )
+
+
+def _check_argnums(argnums: tuple[int, ...], nargs: int, name: str) -> tuple[int, ...]:
+    out = []
+    for a in argnums:
+        if not -nargs <= a < nargs:
+            raise ValueError(
+                f"`{name}` got `argnums={a}`, but the function was called with {nargs} "
+                f"positional argument{'s' if nargs != 1 else ''}: valid indices are "
+                f"0..{nargs - 1} (or negative ones counting from the end). Pass the "
+                "arguments to differentiate positionally."
+            )
+        out.append(a % nargs)
+    if len(set(out)) != len(out):
+        raise ValueError(f"`{name}` got repeated entries in `argnums={argnums}`.")
+    return tuple(out)
+
+
+def _as_array(x, where: str, name: str):
+    if isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return x
+    try:
+        return jnp.asarray(x)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` got {where} of type {type(x).__name__}, which is not an array. "
+            "Every leaf of the arguments must be a JAX/NumPy array or a Python "
+            "scalar; close over other objects instead (or use "
+            "`graphax_eqx.filter_jacve`)."
+        ) from None
+
+
+def _check_differentiable(x, argnum: int, name: str):
+    dtype = jnp.result_type(x)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        problem = "complex"
+        fix = (
+            "Split it into real and imaginary parts (`x.real`, `x.imag`) and "
+            "differentiate with respect to those."
+        )
+    else:
+        problem = "integer or boolean"
+        fix = (
+            "Leave it out of `argnums` (it is then treated as a constant), or convert "
+            "it with `.astype(float)` if you want derivatives with respect to it."
+        )
+    raise TypeError(
+        f"`{name}` can only differentiate with respect to real floating-point inputs, "
+        f"but argument {argnum} has a leaf of {problem} dtype {dtype}. {fix}"
+    )
+
+
+#
+# Tracing and caching.
+#
+
+
+@dataclasses.dataclass
+class _Traced:
+    program: Program
+    structure: Structure
+    out_tree: Any
+    aux_tree: Any
+    num_out: int
+    out_avals: tuple
+    orders: dict = dataclasses.field(default_factory=dict)
+
+
+def _trace(fun, treedef, leaves, diff_mask, has_aux, name) -> tuple[_Traced, bool]:
+    """Trace `fun` to a program; returns it and whether it may be cached."""
+    store = {}
+
+    def flat_fun(*flat):
+        args, kwargs = jtu.tree_unflatten(treedef, flat)
+        res = fun(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(res, (tuple, list)) and len(res) == 2):
+                raise TypeError(
+                    f"`{name}(..., has_aux=True)` expects the function to return a "
+                    f"pair `(output, aux)`, but it returned {type(res).__name__}."
+                )
+            out, aux = res
+        else:
+            out, aux = res, None
+        out_leaves, out_tree = jtu.tree_flatten(out)
+        aux_leaves, aux_tree = jtu.tree_flatten(aux)
+        out_leaves = [_as_array(o, "an output", name) for o in out_leaves]
+        for o in out_leaves:
+            if not jnp.issubdtype(o.dtype, jnp.floating):
+                raise TypeError(
+                    f"`{name}` needs real floating-point outputs, but the function "
+                    f"returned an output of dtype {o.dtype}. Return integer results "
+                    "through `has_aux=True` instead."
+                )
+        aux_leaves = [_as_array(a, "an aux output", name) for a in aux_leaves]
+        store.update(out_tree=out_tree, aux_tree=aux_tree, num_out=len(out_leaves))
+        return out_leaves + aux_leaves
+
+    specs = [
+        jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), weak_type=_weak(x))
+        for x in leaves
+    ]
+    closed = jax.make_jaxpr(flat_fun)(*specs)
+    program = inline(closed)
+    structure = analyse(program, diff_mask)
+    cacheable = not any(isinstance(c, jax.core.Tracer) for c in closed.consts)
+    traced = _Traced(
+        program,
+        structure,
+        store["out_tree"],
+        store["aux_tree"],
+        store["num_out"],
+        tuple(closed.out_avals),
+    )
+    return traced, cacheable
+
+
+def _weak(x) -> bool:
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+    return bool(getattr(aval, "weak_type", False))
+
+
+@dataclasses.dataclass
+class _Prepared:
+    traced: _Traced
+    leaves: list
+    argnums: tuple[int, ...]
+    arg_trees: list
+    arg_offsets: list[int]
+
+
+def _prepare(fun, cache, args, kwargs, argnums, has_aux, name) -> _Prepared:
+    argnums = _check_argnums(argnums, len(args), name)
+    arg_trees, arg_offsets = [], []
+    leaves, offset = [], 0
+    for k, arg in enumerate(args):
+        arg_leaves, arg_tree = jtu.tree_flatten(arg)
+        where = f"a leaf of argument {k}"
+        arg_leaves = [_as_array(x, where, name) for x in arg_leaves]
+        if k in argnums:
+            for x in arg_leaves:
+                _check_differentiable(x, k, name)
+        arg_trees.append(arg_tree)
+        arg_offsets.append(offset)
+        offset += len(arg_leaves)
+        leaves.extend(arg_leaves)
+    kw_leaves, kw_tree = jtu.tree_flatten(kwargs)
+    leaves.extend(_as_array(x, "a keyword argument", name) for x in kw_leaves)
+    treedef = jtu.tree_structure((tuple(args), kwargs))
+    diff_mask = [False] * len(leaves)
+    for k in argnums:
+        n = arg_trees[k].num_leaves
+        for j in range(arg_offsets[k], arg_offsets[k] + n):
+            diff_mask[j] = True
+    key = (
+        treedef,
+        tuple((jnp.shape(x), jnp.result_type(x), _weak(x)) for x in leaves),
+        argnums,
+        has_aux,
+    )
+    traced = cache.get(key)
+    if traced is None:
+        traced, cacheable = _trace(fun, treedef, leaves, diff_mask, has_aux, name)
+        if cacheable:
+            cache[key] = traced
+    return _Prepared(traced, leaves, argnums, arg_trees, arg_offsets)
+
+
+#
+# The engine.
+#
+
+
+def _eliminate(prep: _Prepared, order_spec):
+    traced = prep.traced
+    structure = traced.structure
+    flat_out, graph, adds0 = evaluate(traced.program, structure, prep.leaves)
+    order = traced.orders.get(order_spec)
+    if order is None:
+        sim_graph = graph.copy_with(sim_edge)
+        order = resolve(order_spec, sim_graph, structure)
+        traced.orders[order_spec] = order
+    muls, adds, per_vertex = run_order(graph, order, real_product, real_add)
+    counts = {
+        "num_muls": int(muls),
+        "num_adds": int(adds + adds0),
+        "order": [int(v) for v in order],
+        "order_counts": [int(m) for m in per_vertex],
+    }
+    return flat_out, graph, counts
+
+
+def _zero_block(out_shape, in_shape, dtype, sparse):
+    if sparse:
+        n = len(out_shape) + len(in_shape)
+        return from_labeled(
+            jnp.zeros((), dtype), (), out_shape, in_shape, tuple(range(n)), dtype
+        )
+    return jnp.zeros(tuple(out_shape) + tuple(in_shape), dtype)
+
+
+def _block(edge, dtype, sparse):
+    st = to_sparse(edge) if isinstance(edge, LinearMap) else edge
+    assert isinstance(st, SparseTensor)
+    if sparse:
+        val = None if st.val is None else st.val.astype(dtype)
+        return SparseTensor(val, st.pattern, jnp.dtype(dtype))
+    return st.dense().astype(dtype)
+
+
+def _assemble(prep: _Prepared, graph: EdgeGraph, as_tuple: bool, sparse: bool):
+    traced = prep.traced
+    structure = traced.structure
+    inputs = iter(structure.inputs)
+    input_vid = {}
+    for k in prep.argnums:
+        for j in range(prep.arg_offsets[k], prep.arg_offsets[k] + prep.arg_trees[k].num_leaves):
+            input_vid[j] = next(inputs)
+    per_output = []
+    for o in range(traced.num_out):
+        out_vid = structure.outputs[o]
+        out_shape = tuple(traced.out_avals[o].shape)
+        per_arg = []
+        for k in prep.argnums:
+            blocks = []
+            start = prep.arg_offsets[k]
+            for j in range(start, start + prep.arg_trees[k].num_leaves):
+                x = prep.leaves[j]
+                dtype = jnp.result_type(x)
+                edge = None
+                if out_vid is not None:
+                    edge = graph.succ[input_vid[j]].get(out_vid)
+                if edge is None:
+                    blocks.append(_zero_block(out_shape, jnp.shape(x), dtype, sparse))
+                else:
+                    blocks.append(_block(edge, dtype, sparse))
+            per_arg.append(jtu.tree_unflatten(prep.arg_trees[k], blocks))
+        per_output.append(tuple(per_arg) if as_tuple else per_arg[0])
+    return jtu.tree_unflatten(traced.out_tree, per_output)
+
+
+def _outputs(prep: _Prepared, flat_out):
+    traced = prep.traced
+    vals = [
+        jnp.asarray(v, dtype=aval.dtype)
+        for v, aval in zip(flat_out, traced.out_avals, strict=True)
+    ]
+    out = jtu.tree_unflatten(traced.out_tree, vals[: traced.num_out])
+    aux = jtu.tree_unflatten(traced.aux_tree, vals[traced.num_out :])
+    return out, aux
+
+
+class _JacVE:
+    """The callable returned by `jacve` / `value_and_jacve`."""
+
+    def __init__(self, fun, order, argnums, has_aux, count_ops, sparse, with_value, name):
+        if not callable(fun):
+            raise TypeError(f"`{name}` expects a callable, got {type(fun).__name__}.")
+        self.fun = fun
+        self.order_spec = normalise_order(order)
+        self.argnums, self.as_tuple = _normalise_argnums(argnums)
+        self.has_aux = has_aux
+        self.count_ops = count_ops
+        self.sparse = sparse
+        self.with_value = with_value
+        self.name = name
+        self._cache: dict = {}
+        functools.update_wrapper(self, fun, updated=())
+
+    def __call__(self, *args, **kwargs):
+        prep = _prepare(
+            self.fun, self._cache, args, kwargs, self.argnums, self.has_aux, self.name
+        )
+        flat_out, graph, counts = _eliminate(prep, self.order_spec)
+        jac = _assemble(prep, graph, self.as_tuple, self.sparse)
+        out, aux = _outputs(prep, flat_out)
+        if self.with_value:
+            result = ((out, aux) if self.has_aux else out), jac
+        else:
+            result = (jac, aux) if self.has_aux else jac
+        if self.count_ops:
+            return result, counts
+        return result
+
+
+def jacve(
+    fun: Callable,
+    order: str | Sequence[int] = "auto",
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    count_ops: bool = False,
+    sparse_representation: bool = False,
+) -> Callable:
+    """The Jacobian of `fun`, computed by vertex elimination.
+
+    `fun` is traced to a jaxpr; every variable becomes a vertex of a computational
+    graph whose edges carry structured local partial Jacobians. Eliminating the
+    intermediate vertices in `order` leaves the Jacobian on the edges from inputs to
+    outputs. Forward and reverse mode are two particular orders; others can need far
+    fewer multiplications.
+
+    The result is laid out exactly like `jax.jacrev(fun, argnums=argnums)(*args)`:
+    output pytree outermost, then a tuple over `argnums` if `argnums` is a tuple,
+    then each argument's pytree, with leaves of shape `out.shape + in.shape`.
+
+    **Arguments:**
+
+    - `fun`: a function of arrays / pytrees of arrays returning a pytree of
+        floating-point arrays. It is traced like under `jax.jit`, so Python control
+        flow must not depend on array values (use `jax.lax.cond` and friends).
+    - `order`: `"fwd"` (or `"forward"`), `"rev"` (or `"reverse"`), `"markowitz"`
+        (greedy: always eliminate the currently cheapest vertex), `"auto"` (the
+        cheapest of those three by counted multiplications, decided from the graph's
+        structure alone), or a sequence of vertex ids as listed by
+        [`graphax_eqx.make_graph`][].
+    - `argnums`: an int or a tuple of ints: which positional arguments to
+        differentiate. Their leaves must be real floating-point arrays.
+    - `has_aux`: if `True`, `fun` returns `(output, aux)`; the result is
+        `(jacobian, aux)`.
+    - `count_ops`: if `True`, the result becomes `(result, counts)`, with `counts` a
+        dict of Python ints: `"num_muls"`, `"num_adds"`, `"order"` (vertex ids in
+        elimination order) and `"order_counts"` (multiplications per eliminated
+        vertex).
+    - `sparse_representation`: if `True`, Jacobian leaves are
+        [`graphax_eqx.SparseTensor`][]s keeping their structure (diagonals, ties,
+        broadcasts) instead of dense arrays.
+
+    **Returns:**
+
+    A function taking the same arguments as `fun` and returning its Jacobian.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import graphax_eqx as gx
+
+        def f(x, y):
+            return jnp.sin(x) * y, jnp.sum(x**2)
+
+        jac = gx.jacve(f, order="markowitz", argnums=(0, 1))(jnp.ones(3), 2.0)
+        ```
+    """
+    return _JacVE(
+        fun, order, argnums, has_aux, count_ops, sparse_representation, False, "jacve"
+    )
+
+
+def value_and_jacve(
+    fun: Callable,
+    order: str | Sequence[int] = "auto",
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    count_ops: bool = False,
+    sparse_representation: bool = False,
+) -> Callable:
+    """The value of `fun` and its Jacobian, computed in one pass.
+
+    Same arguments as [`graphax_eqx.jacve`][]. The primal outputs are a by-product of
+    building the graph, so this costs no more than `jacve`.
+
+    **Returns:**
+
+    A function returning `(value, jacobian)`, or `((value, aux), jacobian)` when
+    `has_aux=True` (and `(that, counts)` when `count_ops=True`).
+    """
+    return _JacVE(
+        fun,
+        order,
+        argnums,
+        has_aux,
+        count_ops,
+        sparse_representation,
+        True,
+        "value_and_jacve",
+    )
+
+
+#
+# Graph inspection.
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class Vertex:
+    """A vertex of the computational graph.
+
+    `kind` is `"input"` (negative ids), `"intermediate"` (ids `1..N`, the ones an
+    order eliminates) or `"output"` (ids above `N`). `primitive` names the JAX
+    primitive defining an intermediate.
+    """
+
+    id: int
+    kind: str
+    primitive: str | None
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    """An edge `src → dst` carrying the partial `∂dst/∂src`; `structure` is its pattern."""
+
+    src: int
+    dst: int
+    structure: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """The computational graph of a function, after inlining and pruning.
+
+    **Attributes:**
+
+    - `vertices`: every [`graphax_eqx._jacve.Vertex`][], inputs first.
+    - `edges`: every [`graphax_eqx._jacve.Edge`][] with its partial's structure.
+    - `intermediates`: the ids an explicit order must list, each exactly once.
+    - `outputs`: the output vertex ids.
+    """
+
+    vertices: tuple[Vertex, ...]
+    edges: tuple[Edge, ...]
+    intermediates: tuple[int, ...]
+    outputs: tuple[int, ...]
+    _sim: EdgeGraph = dataclasses.field(repr=False, compare=False)
+    _structure: Structure = dataclasses.field(repr=False, compare=False)
+
+    def counts(self, order: str | Sequence[int] = "auto") -> dict[str, Any]:
+        """The operation counts `jacve(..., count_ops=True)` would report for `order`.
+
+        Computed from the structure alone, without any arithmetic.
+        """
+        spec = normalise_order(order)
+        ids = resolve(spec, self._sim, self._structure)
+        muls, adds, per = simulate(self._sim, ids)
+        return {"num_muls": muls, "num_adds": adds, "order": ids, "order_counts": per}
+
+    def __str__(self) -> str:
+        lines = [
+            f"Graph: {sum(v.kind == 'input' for v in self.vertices)} inputs, "
+            f"{len(self.intermediates)} intermediates, {len(self.outputs)} outputs, "
+            f"{len(self.edges)} edges"
+        ]
+        incoming: dict[int, list[Edge]] = {}
+        for e in self.edges:
+            incoming.setdefault(e.dst, []).append(e)
+        for v in self.vertices:
+            shape = "x".join(map(str, v.shape)) or "scalar"
+            head = f"  {v.id:>4} {v.kind:<12} {v.primitive or '':<22} {shape} {v.dtype}"
+            lines.append(head.rstrip())
+            for e in incoming.get(v.id, []):
+                lines.append(f"         <- {e.src:>4}  {e.structure}")
+        return "\n".join(lines)
+
+
+def _describe(edge) -> str:
+    if isinstance(edge, LinearMap):
+        p = edge.pattern
+        return f"LinearMap({p.out_shape} <- {p.in_shape}, {p.muls} muls per use)"
+    return repr(edge)
+
+
+def make_graph(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable[..., Graph]:
+    """The computational graph [`graphax_eqx.jacve`][] would eliminate.
+
+    Nothing is computed: the graph is built abstractly (`jax.eval_shape`). Use it to
+    find vertex ids for an explicit order, or to see why an order is expensive.
+
+    **Arguments:**
+
+    - `fun`: the function, as for [`graphax_eqx.jacve`][].
+    - `argnums`: which positional arguments are differentiated.
+
+    **Returns:**
+
+    A function taking `fun`'s arguments and returning a [`graphax_eqx._jacve.Graph`][].
+    Its `str()` is a readable summary; `graph.counts(order)` gives the operation counts
+    of an order.
+
+    !!! example
+
+        ```python
+        graph = gx.make_graph(f)(x)
+        print(graph)
+        order = list(reversed(graph.intermediates))
+        ```
+    """
+    argnums_t, _ = _normalise_argnums(argnums)
+
+    def build(*args, **kwargs) -> Graph:
+        prep = _prepare(fun, {}, args, kwargs, argnums_t, False, "make_graph")
+        traced = prep.traced
+        structure = traced.structure
+        captured = {}
+
+        def abstract(*leaves):
+            _, graph, _ = evaluate(traced.program, structure, list(leaves))
+            captured["graph"] = graph
+            return 0
+
+        jax.eval_shape(abstract, *prep.leaves)
+        graph = captured["graph"]
+        vertices = []
+        for v in sorted(structure.shape_of, key=lambda v: (v >= 0, abs(v) if v < 0 else v)):
+            if v < 0:
+                kind = "input"
+            elif v in structure.output_sources:
+                kind = "output"
+            else:
+                kind = "intermediate"
+            prim = structure.primitive_of.get(v)
+            vertices.append(
+                Vertex(
+                    v,
+                    kind,
+                    None if kind != "intermediate" else prim,
+                    structure.shape_of[v],
+                    jnp.dtype(structure.dtype_of[v]),
+                )
+            )
+        edges = tuple(
+            Edge(u, w, _describe(e))
+            for u, row in sorted(graph.succ.items())
+            for w, e in sorted(row.items())
+        )
+        outputs = tuple(o for o in structure.outputs if o is not None)
+        return Graph(
+            tuple(vertices),
+            edges,
+            structure.intermediates,
+            outputs,
+            graph.copy_with(sim_edge),
+            structure,
+        )
+
+    return build

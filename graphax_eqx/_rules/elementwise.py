@@ -1,0 +1,146 @@
+"""Elementwise primitives.
+
+Linear ones (add, sub, neg, conversions) are pure ties with no stored values. For the
+others the diagonal comes from one forward-mode probe per operand: `jax.jvp` with a
+tangent of ones gives exactly `∂out/∂operand` on the diagonal, with JAX's own
+conventions at kinks (`max` at ties, `abs` at 0, ...).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .. import _jax_private as jp
+from .._sparse import diagonal, from_labeled
+from ._base import register, register_zero, shape_of
+
+
+def _broadcast_partial(val, out_shape, in_shape, dtype):
+    """Partial of an elementwise op w.r.t. an operand that is `out_shape` or `()`.
+
+    `val` is `None` (ones), a scalar, or an array of `out_shape`.
+    """
+    if in_shape == out_shape:
+        return diagonal(val, out_shape, dtype)
+    assert in_shape == (), (in_shape, out_shape)
+    n = len(out_shape)
+    if val is None or jnp.ndim(val) == 0:
+        return from_labeled(val, (), out_shape, (), tuple(range(n)), dtype)
+    return from_labeled(val, tuple(range(n)), out_shape, (), tuple(range(n)), dtype)
+
+
+def _probe(prim, primals, i, params):
+    """`∂out/∂operand_i` of an elementwise primitive, as an out-shaped array."""
+    x = primals[i]
+
+    def f(xi):
+        args = list(primals)
+        args[i] = xi
+        return prim.bind(*args, **params)
+
+    _, tangent = jax.jvp(f, (x,), (jnp.ones_like(x),))
+    return tangent
+
+
+def elementwise_rule_for(prim):
+    def rule(primals, active, **params):
+        out = prim.bind(*primals, **params)
+        out_shape = shape_of(out)
+        partials = {}
+        for i, a in enumerate(active):
+            if not a:
+                continue
+            val = _probe(prim, primals, i, params)
+            in_shape = shape_of(primals[i])
+            if in_shape not in (out_shape, ()):
+                continue
+            partials[(0, i)] = _broadcast_partial(val, out_shape, in_shape, out.dtype)
+        return [out], partials
+
+    return rule
+
+
+_ELEMENTWISE = [
+    "exp", "exp2", "expm1", "log", "log1p", "sin", "cos", "tan", "asin", "acos",
+    "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "sqrt", "rsqrt", "cbrt",
+    "logistic", "erf", "erfc", "erf_inv", "abs", "integer_pow", "square", "lgamma",
+    "digamma", "polygamma", "igamma", "igammac", "bessel_i0e", "bessel_i1e", "zeta",
+    "regularized_incomplete_beta", "random_gamma_grad", "mul", "div", "pow", "max",
+    "min", "atan2", "rem", "clamp",
+]
+
+# Every elementwise primitive, for recognising elementwise custom-derivative calls.
+elementwise_primitives: set = set()
+
+for _name in _ELEMENTWISE:
+    _prim = getattr(lax, _name + "_p", None)
+    if _prim is not None:
+        register(_prim)(elementwise_rule_for(_prim))
+        elementwise_primitives.add(_prim)
+
+
+def _linear_rule(scales):
+    """Rule for `out = sum_i scales[i] * operand_i` (scales None means 1)."""
+
+    def rule(primals, active, **params):
+        out = rule.prim.bind(*primals, **params)
+        out_shape = shape_of(out)
+        partials = {}
+        for i, a in enumerate(active):
+            if a:
+                scale = scales[i] if i < len(scales) else None
+                val = None if scale is None else jnp.asarray(scale, out.dtype)
+                partials[(0, i)] = _broadcast_partial(
+                    val, out_shape, shape_of(primals[i]), out.dtype
+                )
+        return [out], partials
+
+    return rule
+
+
+for _prim, _scales in [
+    (lax.add_p, (None, None)),
+    (jp.add_any_p, (None, None)),
+    (lax.sub_p, (None, -1)),
+    (lax.neg_p, (-1,)),
+    (lax.convert_element_type_p, (None,)),
+    (lax.reduce_precision_p, (None,)),
+    (getattr(lax, "copy_p", None), (None,)),
+]:
+    if _prim is None:
+        continue
+    _rule = _linear_rule(_scales)
+    _rule.prim = _prim  # pyright: ignore
+    register(_prim)(_rule)
+    elementwise_primitives.add(_prim)
+
+
+@register(lax.select_n_p)
+def _select_n(primals, active, **params):
+    pred, *cases = primals
+    out = lax.select_n(pred, *cases)
+    out_shape = shape_of(out)
+    partials = {}
+    which = pred.astype(jnp.int32) if pred.dtype == jnp.bool_ else pred
+    for i, a in enumerate(active):
+        if a and i > 0:
+            mask = (which == (i - 1)).astype(out.dtype)
+            partials[(0, i)] = _broadcast_partial(
+                mask, out_shape, shape_of(primals[i]), out.dtype
+            )
+    return [out], partials
+
+
+elementwise_primitives.add(lax.select_n_p)
+
+register_zero(
+    lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p,
+    lax.floor_p, lax.ceil_p, lax.round_p, lax.sign_p, lax.is_finite_p,
+    lax.stop_gradient_p if hasattr(lax, "stop_gradient_p") else None,
+    lax.iota_p, lax.argmax_p, lax.argmin_p, lax.and_p, lax.or_p, lax.not_p,
+    lax.xor_p, lax.population_count_p, lax.clz_p, lax.shift_left_p,
+    lax.shift_right_arithmetic_p, lax.shift_right_logical_p,
+    getattr(lax, "nextafter_p", None),
+)

@@ -1,0 +1,74 @@
+"""The exact fallback: a dense local Jacobian from JAX's own autodiff.
+
+Used for every primitive without a structured rule that JAX can differentiate
+(`cond`, `scan`, `while`, linear solves, decompositions, future primitives). The local
+Jacobian comes from `jax.jacfwd` or `jax.jacrev` of a function that binds the
+primitive with its params, whichever needs fewer passes; primitives that support only
+one mode (`while` is forward-only) use that one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax import lax
+
+from .. import _jax_private as jp
+from .._sparse import dense
+from ._base import active_indices, is_float, shape_of
+
+
+_FORWARD_ONLY = {lax.while_p}
+_REVERSE_ONLY = {jp.custom_vjp_call_p}
+
+
+def dense_jacobian(prim, params, primals, active, outs, modes=None):
+    """Dense partials `{(k, i): ∂out_k/∂in_i}` of one equation."""
+    idx = active_indices(active)
+    float_outs = [k for k, o in enumerate(outs) if is_float(o)]
+    if not idx or not float_outs:
+        return {}
+
+    def f(*xs):
+        args = list(primals)
+        for i, x in zip(idx, xs, strict=True):
+            args[i] = x
+        res = jp.bind(prim, params, *args)
+        return [res[k] for k in float_outs]
+
+    if modes is None:
+        n_in = sum(math.prod(shape_of(primals[i])) for i in idx)
+        n_out = sum(math.prod(shape_of(outs[k])) for k in float_outs)
+        modes = ("fwd", "rev") if n_in <= n_out else ("rev", "fwd")
+        if prim in _FORWARD_ONLY:
+            modes = ("fwd",)
+        elif prim in _REVERSE_ONLY:
+            modes = ("rev",)
+    argnums = tuple(range(len(idx)))
+    xs = [primals[i] for i in idx]
+    error = None
+    for mode in modes:
+        jacobian = jax.jacfwd if mode == "fwd" else jax.jacrev
+        try:
+            jac = jacobian(f, argnums=argnums)(*xs)
+            break
+        except Exception as e:  # the other mode may still work (custom rules)
+            error = e
+    else:
+        raise TypeError(
+            f"`jacve` could not differentiate the primitive `{prim}`: JAX raised "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    partials = {}
+    for pos, k in enumerate(float_outs):
+        out_shape = shape_of(outs[k])
+        for a, i in enumerate(idx):
+            block = jac[pos][a].astype(outs[k].dtype)
+            partials[(k, i)] = dense(block, out_shape, shape_of(primals[i]))
+    return partials
+
+
+def fallback_rule(prim, primals, active, params):
+    outs = jp.bind(prim, params, *primals)
+    return outs, dense_jacobian(prim, params, primals, active, outs)

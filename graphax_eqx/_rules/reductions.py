@@ -1,0 +1,118 @@
+"""Reductions and cumulative reductions.
+
+A reduction ties each kept axis to its input axis; the reduced input axes are a
+broadcast (`reduce_sum`) or carry a value (`reduce_max`, `reduce_prod`). Cumulative
+ops tie every axis but the scanned one, which carries a small dense block.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._sparse import from_labeled
+from ._base import register, shape_of
+
+
+def _reduce_labels(in_shape, axes):
+    axes = {a % len(in_shape) for a in axes}
+    kept = [i for i in range(len(in_shape)) if i not in axes]
+    out_labels = [("k", i) for i in kept]
+    in_labels = [("k", i) if i not in axes else ("r", i) for i in range(len(in_shape))]
+    return out_labels + in_labels, in_labels
+
+
+@register(lax.reduce_sum_p)
+def _reduce_sum(primals, active, **params):
+    out = lax.reduce_sum_p.bind(*primals, **params)
+    if not active[0]:
+        return [out], {}
+    in_shape = shape_of(primals[0])
+    labels, _ = _reduce_labels(in_shape, params["axes"])
+    partial = from_labeled(None, (), shape_of(out), in_shape, labels, out.dtype)
+    return [out], {(0, 0): partial}
+
+
+def _chooser_rule(prim):
+    def rule(primals, active, **params):
+        (x,) = primals
+        out = prim.bind(x, **params)
+        if not active[0]:
+            return [out], {}
+        in_shape = shape_of(x)
+        axes = tuple(a % x.ndim for a in params["axes"])
+        kept = [i for i in range(x.ndim) if i not in axes]
+        expanded = lax.broadcast_in_dim(out, in_shape, kept)
+        # Ties share the derivative equally, as JAX's own rule does.
+        mask = (x == expanded).astype(x.dtype)
+        count = jnp.sum(mask, axis=axes, keepdims=True)
+        val = mask / count
+        labels, in_labels = _reduce_labels(in_shape, axes)
+        partial = from_labeled(val, in_labels, shape_of(out), in_shape, labels, out.dtype)
+        return [out], {(0, 0): partial}
+
+    return rule
+
+
+register(lax.reduce_max_p)(_chooser_rule(lax.reduce_max_p))
+register(lax.reduce_min_p)(_chooser_rule(lax.reduce_min_p))
+
+
+@register(lax.reduce_prod_p)
+def _reduce_prod(primals, active, **params):
+    (x,) = primals
+    out = lax.reduce_prod_p.bind(x, **params)
+    if not active[0]:
+        return [out], {}
+    in_shape = shape_of(x)
+    axes = tuple(sorted(a % x.ndim for a in params["axes"]))
+    kept = [i for i in range(x.ndim) if i not in axes]
+    # Product of all other entries, without dividing (safe at zeros).
+    moved = jnp.transpose(x, kept + list(axes))
+    flat = moved.reshape(tuple(in_shape[i] for i in kept) + (-1,))
+    ones = jnp.ones(flat.shape[:-1] + (1,), x.dtype)
+    before = jnp.cumprod(jnp.concatenate([ones, flat[..., :-1]], axis=-1), axis=-1)
+    after = jnp.cumprod(
+        jnp.concatenate([ones, flat[..., :0:-1]], axis=-1), axis=-1
+    )[..., ::-1]
+    val = (before * after).reshape(moved.shape)
+    labels, in_labels = _reduce_labels(in_shape, axes)
+    val_labels = [in_labels[i] for i in kept + list(axes)]
+    partial = from_labeled(val, val_labels, shape_of(out), in_shape, labels, out.dtype)
+    return [out], {(0, 0): partial}
+
+
+def _cumulative_rule(prim):
+    """Every axis but the scanned one is tied; the scanned pair is a dense block."""
+
+    def rule(primals, active, **params):
+        (x,) = primals
+        out = prim.bind(x, **params)
+        if not active[0]:
+            return [out], {}
+        axis, shape = params["axis"] % x.ndim, shape_of(x)
+        n = shape[axis]
+        rows = jnp.moveaxis(x, axis, -1).reshape((-1, n))
+
+        def scan_row(r):
+            return prim.bind(r, **dict(params, axis=0))
+
+        blocks = jax.vmap(jax.jacfwd(scan_row))(rows)  # (rows, n_out, n_in)
+        other = [i for i in range(x.ndim) if i != axis]
+        blocks = blocks.reshape(tuple(shape[i] for i in other) + (n, n))
+        out_labels = [("t", i) if i != axis else ("out",) for i in range(x.ndim)]
+        in_labels = [("t", i) if i != axis else ("in",) for i in range(x.ndim)]
+        val_labels = [("t", i) for i in other] + [("out",), ("in",)]
+        partial = from_labeled(
+            blocks, val_labels, shape, shape, out_labels + in_labels, out.dtype
+        )
+        return [out], {(0, 0): partial}
+
+    return rule
+
+
+for _prim in (lax.cumprod_p, lax.cummax_p, lax.cummin_p, lax.cumlogsumexp_p):
+    register(_prim)(_cumulative_rule(_prim))
+

@@ -1,0 +1,328 @@
+"""Structural primitives: they move, copy or select entries.
+
+Those whose Jacobian is a tie pattern (transpose, broadcast, squeeze, unit reshapes)
+become pure-delta partials. Index-moving ones whose Jacobian is a permutation,
+selection or embedding (slice, gather, pad, concatenate, ...) become
+[`graphax_eqx._sparse.LinearMap`][]s: the primitive itself, applied to a neighbouring
+partial during elimination, never an `n × n` matrix.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from .. import _jax_private as jp
+from .._sparse import diagonal, from_labeled, linear_map
+from ._base import register, shape_of
+
+
+def _bind(prim, params, *args):
+    return prim.bind(*args, **params)
+
+
+def _linear_in(prim, params, args, i, out_shape, dtype, tfn=None, muls=0):
+    """The linear map `t ↦ prim(args with args[i] = t)`; other args must make it linear."""
+    args = list(args)
+    in_shape = shape_of(args[i])
+
+    def fn(t):
+        call = list(args)
+        call[i] = t
+        return prim.bind(*call, **params)
+
+    return linear_map(fn, in_shape, out_shape, dtype, tfn=tfn, muls=muls)
+
+
+@register(lax.broadcast_in_dim_p)
+def _broadcast_in_dim(primals, active, **params):
+    out = lax.broadcast_in_dim_p.bind(*primals, **params)
+    shape, dims = shape_of(out), params["broadcast_dimensions"]
+    in_shape = shape_of(primals[0])
+    labels = [("o", k) for k in range(len(shape))]
+    for i, d in enumerate(dims):
+        labels.append(("o", d) if in_shape[i] == shape[d] else ("i", i))
+    partial = from_labeled(None, (), shape, in_shape, labels, out.dtype)
+    return [out], {(0, 0): partial} if active[0] else {}
+
+
+def _unit_reshape_labels(in_shape, out_shape):
+    """Labels if the reshape only adds/removes unit axes, else None."""
+    in_big = [i for i, s in enumerate(in_shape) if s != 1]
+    out_big = [k for k, s in enumerate(out_shape) if s != 1]
+    if [in_shape[i] for i in in_big] != [out_shape[k] for k in out_big]:
+        return None
+    labels = [("o", k) for k in range(len(out_shape))]
+    in_labels = [("i", i) for i in range(len(in_shape))]
+    for i, k in zip(in_big, out_big, strict=True):
+        in_labels[i] = ("o", k)
+    return labels + in_labels
+
+
+@register(lax.reshape_p)
+def _reshape(primals, active, **params):
+    out = lax.reshape_p.bind(*primals, **params)
+    if not active[0]:
+        return [out], {}
+    x = primals[0]
+    in_shape, out_shape = shape_of(x), shape_of(out)
+    labels = None
+    if params.get("dimensions") is None:
+        labels = _unit_reshape_labels(in_shape, out_shape)
+    if labels is not None:
+        partial = from_labeled(None, (), out_shape, in_shape, labels, out.dtype)
+    elif params.get("dimensions") is None:
+        partial = linear_map(
+            lambda t: jnp.reshape(t, out_shape),
+            in_shape,
+            out_shape,
+            out.dtype,
+            tfn=lambda c: jnp.reshape(c, in_shape),
+        )
+    else:
+        partial = _linear_in(lax.reshape_p, params, primals, 0, out_shape, out.dtype)
+    return [out], {(0, 0): partial}
+
+
+@register(lax.squeeze_p)
+def _squeeze(primals, active, **params):
+    out = lax.squeeze_p.bind(*primals, **params)
+    in_shape, out_shape = shape_of(primals[0]), shape_of(out)
+    dims = {d % len(in_shape) for d in params["dimensions"]}
+    labels = [("o", k) for k in range(len(out_shape))]
+    k = 0
+    for i in range(len(in_shape)):
+        if i in dims:
+            labels.append(("i", i))
+        else:
+            labels.append(("o", k))
+            k += 1
+    partial = from_labeled(None, (), out_shape, in_shape, labels, out.dtype)
+    return [out], {(0, 0): partial} if active[0] else {}
+
+
+if hasattr(lax, "expand_dims_p"):
+
+    @register(lax.expand_dims_p)  # pyright: ignore
+    def _expand_dims(primals, active, **params):
+        out = lax.expand_dims_p.bind(*primals, **params)  # pyright: ignore
+        in_shape, out_shape = shape_of(primals[0]), shape_of(out)
+        labels = _unit_reshape_labels(in_shape, out_shape)
+        partial = from_labeled(None, (), out_shape, in_shape, labels, out.dtype)
+        return [out], {(0, 0): partial} if active[0] else {}
+
+
+@register(lax.transpose_p)
+def _transpose(primals, active, **params):
+    out = lax.transpose_p.bind(*primals, **params)
+    perm = params["permutation"]
+    out_shape, in_shape = shape_of(out), shape_of(primals[0])
+    labels = [("o", k) for k in range(len(perm))] + [None] * len(perm)
+    for k, p in enumerate(perm):
+        labels[len(perm) + p] = ("o", k)
+    partial = from_labeled(None, (), out_shape, in_shape, labels, out.dtype)
+    return [out], {(0, 0): partial} if active[0] else {}
+
+
+def _single_linear(prim):
+    """Rule for a primitive linear in its first operand, other operands integers."""
+
+    def rule(primals, active, **params):
+        out = prim.bind(*primals, **params)
+        if not active[0]:
+            return [out], {}
+        partial = _linear_in(prim, params, primals, 0, shape_of(out), out.dtype)
+        return [out], {(0, 0): partial}
+
+    return rule
+
+
+for _prim in (lax.slice_p, lax.rev_p, lax.dynamic_slice_p):
+    register(_prim)(_single_linear(_prim))
+
+
+@register(lax.gather_p)
+def _gather(primals, active, **params):
+    out = lax.gather_p.bind(*primals, **params)
+    if not active[0]:
+        return [out], {}
+    linear_params = dict(params)
+    if "fill_value" in linear_params:
+        # Out-of-bounds entries are constants: zero derivative.
+        linear_params["fill_value"] = 0
+    partial = _linear_in(lax.gather_p, linear_params, primals, 0, shape_of(out), out.dtype)
+    return [out], {(0, 0): partial}
+
+
+@register(lax.cumsum_p)
+def _cumsum(primals, active, **params):
+    out = lax.cumsum_p.bind(*primals, **params)
+    if not active[0]:
+        return [out], {}
+    axis, reverse = params["axis"], params["reverse"]
+    shape = shape_of(out)
+    partial = linear_map(
+        lambda t: lax.cumsum(t, axis=axis, reverse=reverse),
+        shape,
+        shape,
+        out.dtype,
+        tfn=lambda c: lax.cumsum(c, axis=axis, reverse=not reverse),
+    )
+    return [out], {(0, 0): partial}
+
+
+@register(lax.dynamic_update_slice_p)
+def _dynamic_update_slice(primals, active, **params):
+    operand, update, *indices = primals
+    out = lax.dynamic_update_slice_p.bind(*primals, **params)
+    shape = shape_of(out)
+    partials = {}
+    if active[0]:
+        mask = lax.dynamic_update_slice(
+            jnp.ones_like(operand), jnp.zeros_like(update), indices
+        )
+        partials[(0, 0)] = diagonal(mask, shape, out.dtype)
+    if active[1]:
+        args = [jnp.zeros_like(operand), update, *indices]
+        partials[(0, 1)] = _linear_in(
+            lax.dynamic_update_slice_p, params, args, 1, shape, out.dtype
+        )
+    return [out], partials
+
+
+@register(lax.scatter_add_p)
+def _scatter_add(primals, active, **params):
+    operand, indices, updates = primals
+    out = lax.scatter_add_p.bind(*primals, **params)
+    shape = shape_of(out)
+    partials = {}
+    if active[0]:
+        partials[(0, 0)] = diagonal(None, shape, out.dtype)
+    if active[2]:
+        args = [jnp.zeros_like(operand), indices, updates]
+        partials[(0, 2)] = _linear_in(lax.scatter_add_p, params, args, 2, shape, out.dtype)
+    return [out], partials
+
+
+@register(lax.scatter_p)
+def _scatter(primals, active, **params):
+    operand, indices, updates = primals
+    out = lax.scatter_p.bind(*primals, **params)
+    shape = shape_of(out)
+    partials = {}
+    if active[0]:
+        mask = lax.scatter_p.bind(
+            jnp.ones_like(operand), indices, jnp.zeros_like(updates), **params
+        )
+        partials[(0, 0)] = diagonal(mask, shape, out.dtype)
+    if active[2]:
+        args = [jnp.zeros_like(operand), indices, updates]
+        partials[(0, 2)] = _linear_in(lax.scatter_p, params, args, 2, shape, out.dtype)
+    return [out], partials
+
+
+@register(lax.pad_p)
+def _pad(primals, active, **params):
+    operand, padding_value = primals
+    out = lax.pad_p.bind(*primals, **params)
+    shape = shape_of(out)
+    partials = {}
+    if active[0]:
+        args = [operand, jnp.zeros_like(padding_value)]
+        partials[(0, 0)] = _linear_in(lax.pad_p, params, args, 0, shape, out.dtype)
+    if active[1]:
+        mask = lax.pad_p.bind(
+            jnp.zeros_like(operand), jnp.ones_like(padding_value), **params
+        )
+        n = len(shape)
+        partials[(0, 1)] = from_labeled(
+            mask, tuple(range(n)), shape, (), tuple(range(n)), out.dtype
+        )
+    return [out], partials
+
+
+@register(lax.concatenate_p)
+def _concatenate(primals, active, **params):
+    out = lax.concatenate_p.bind(*primals, **params)
+    dim = params["dimension"]
+    shape = shape_of(out)
+    total = shape[dim]
+    partials = {}
+    offset = 0
+    for i, x in enumerate(primals):
+        n = shape_of(x)[dim]
+        if active[i]:
+            config = [(0, 0, 0)] * len(shape)
+            config[dim] = (offset, total - offset - n, 0)
+            zero = jnp.zeros((), out.dtype)
+            partials[(0, i)] = linear_map(
+                lambda t, config=config, zero=zero: lax.pad(t, zero, config),
+                shape_of(x),
+                shape,
+                out.dtype,
+                tfn=lambda c, offset=offset, n=n: lax.slice_in_dim(
+                    c, offset, offset + n, axis=dim
+                ),
+            )
+        offset += n
+    return [out], partials
+
+
+if jp.split_p is not None:
+
+    @register(jp.split_p)
+    def _split(primals, active, **params):
+        outs = jp.split_p.bind(*primals, **params)
+        axis = params["axis"]
+        x = primals[0]
+        in_shape = shape_of(x)
+        partials = {}
+        if active[0]:
+            offset = 0
+            for k, out in enumerate(outs):
+                n = shape_of(out)[axis]
+                config = [(0, 0, 0)] * len(in_shape)
+                config[axis] = (offset, in_shape[axis] - offset - n, 0)
+                partials[(k, 0)] = linear_map(
+                    lambda t, offset=offset, n=n: lax.slice_in_dim(
+                        t, offset, offset + n, axis=axis
+                    ),
+                    in_shape,
+                    shape_of(out),
+                    out.dtype,
+                    tfn=lambda c, config=config: lax.pad(
+                        c, jnp.zeros((), c.dtype), config
+                    ),
+                )
+                offset += n
+        return list(outs), partials
+
+
+if jp.optimization_barrier_p is not None:
+
+    @register(jp.optimization_barrier_p)
+    def _optimization_barrier(primals, active, **params):
+        outs = jp.optimization_barrier_p.bind(*primals, **params)
+        partials = {}
+        for i, a in enumerate(active):
+            if a:
+                partials[(i, i)] = diagonal(None, shape_of(outs[i]), outs[i].dtype)
+        return list(outs), partials
+
+
+@register(lax.sort_p)
+def _sort(primals, active, **params):
+    dim, num_keys = params["dimension"], params["num_keys"]
+    shape = shape_of(primals[0])
+    iota = lax.broadcasted_iota(jnp.int32, shape, dim)
+    *outs, perm = lax.sort_p.bind(*primals, iota, **params)
+    partials = {}
+    for i, a in enumerate(active):
+        if a:
+            partials[(i, i)] = linear_map(
+                lambda t: jnp.take_along_axis(t, perm, axis=dim),
+                shape,
+                shape,
+                outs[i].dtype,
+            )
+    return list(outs), partials

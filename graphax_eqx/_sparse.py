@@ -1,0 +1,773 @@
+"""Structured partial Jacobians and their algebra.
+
+A partial Jacobian `∂v/∂u` has shape `v.shape + u.shape`. Most of those entries are
+structurally zero or repeated, so a [`graphax_eqx.SparseTensor`][] stores only a value
+array plus one *label* per axis of the full Jacobian:
+
+- two axes (one of `v`, one of `u`) that share a label are *tied*: the Jacobian is zero
+  off their diagonal (a Kronecker delta joins them);
+- a label listed in `val_labels` indexes an axis of the value array; a label that is
+  not listed is constant along its axes (a pure delta when tied, a broadcast when not).
+
+With that representation, the chain rule is one `jnp.einsum` whose subscripts are the
+labels, and a tied pair meeting a dense axis simply relabels it.
+
+Index-moving linear maps whose Jacobian is not a tie pattern (reshape, slice, gather,
+convolution, ...) are kept as a [`graphax_eqx._sparse.LinearMap`][]: a function and its
+transpose, applied to neighbouring partials instead of being materialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import string
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import sparse as jsparse
+from jaxtyping import Array
+
+
+#
+# Patterns: the static part of a partial.
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class Pattern:
+    """The static structure of a [`graphax_eqx.SparseTensor`][].
+
+    `labels` has one entry per axis of the full Jacobian (output axes first). Labels
+    are canonical: numbered `0, 1, ...` in order of first appearance, so two partials
+    with the same structure have equal patterns. `val_labels` is ascending and lists
+    the labels that index the value array, in the value array's axis order.
+    """
+
+    out_shape: tuple[int, ...]
+    in_shape: tuple[int, ...]
+    labels: tuple[int, ...]
+    val_labels: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.out_shape + self.in_shape
+
+    @functools.cached_property
+    def sizes(self) -> tuple[int, ...]:
+        sizes = [0] * self.num_labels
+        for label, size in zip(self.labels, self.shape, strict=True):
+            sizes[label] = size
+        return tuple(sizes)
+
+    @property
+    def num_labels(self) -> int:
+        return max(self.labels, default=-1) + 1
+
+    @property
+    def val_shape(self) -> tuple[int, ...]:
+        return tuple(self.sizes[label] for label in self.val_labels)
+
+    @property
+    def val_size(self) -> int:
+        return math.prod(self.val_shape)
+
+    def is_diagonal_on_in(self) -> bool:
+        """Whether every input axis is tied to an output axis."""
+        out_labels = set(self.labels[: len(self.out_shape)])
+        return all(label in out_labels for label in self.labels[len(self.out_shape) :])
+
+    def is_diagonal_on_out(self) -> bool:
+        """Whether every output axis is tied to an input axis."""
+        in_labels = set(self.labels[len(self.out_shape) :])
+        return all(label in in_labels for label in self.labels[: len(self.out_shape)])
+
+
+def make_pattern(
+    out_shape: tuple[int, ...],
+    in_shape: tuple[int, ...],
+    labels: tuple[int, ...],
+    val_labels: tuple[int, ...],
+) -> tuple[Pattern, tuple[int, ...]]:
+    """Canonicalise arbitrary labels.
+
+    Returns the canonical pattern and the permutation that takes a value array whose
+    axes are labelled `val_labels` (in that order) to the canonical value order.
+    """
+    out_shape = tuple(int(s) for s in out_shape)
+    in_shape = tuple(int(s) for s in in_shape)
+    assert len(labels) == len(out_shape) + len(in_shape)
+    relabel: dict[Any, int] = {}
+    for label in labels:
+        relabel.setdefault(label, len(relabel))
+    canon = tuple(relabel[label] for label in labels)
+    nout = len(out_shape)
+    for label in set(canon):
+        axes = [k for k, c in enumerate(canon) if c == label]
+        assert len(axes) <= 2, "a label joins at most two axes"
+        if len(axes) == 2:
+            k1, k2 = axes
+            assert k1 < nout <= k2, "ties join an output axis to an input axis"
+            assert (out_shape + in_shape)[k1] == (out_shape + in_shape)[k2]
+    canon_val = [relabel[label] for label in val_labels]
+    assert len(set(canon_val)) == len(canon_val)
+    perm = tuple(int(i) for i in np.argsort(canon_val, kind="stable"))
+    pattern = Pattern(out_shape, in_shape, canon, tuple(sorted(canon_val)))
+    return pattern, perm
+
+
+def dense_pattern(out_shape: tuple[int, ...], in_shape: tuple[int, ...]) -> Pattern:
+    n = len(out_shape) + len(in_shape)
+    return Pattern(tuple(out_shape), tuple(in_shape), tuple(range(n)), tuple(range(n)))
+
+
+def identity_pattern(shape: tuple[int, ...]) -> Pattern:
+    n = len(shape)
+    labels = tuple(range(n)) + tuple(range(n))
+    return Pattern(tuple(shape), tuple(shape), labels, ())
+
+
+#
+# SparseTensor
+#
+
+
+_LETTERS = string.ascii_letters
+
+
+class SparseTensor(eqx.Module):
+    """A structured (sparse) Jacobian block of shape `out_shape + in_shape`.
+
+    Returned by [`graphax_eqx.jacve`][] with `sparse_representation=True`. It is a
+    pytree whose only child is the value array, so it passes through `jax.jit`,
+    `jax.vmap` and `eqx.filter_jit`.
+
+    Each axis of the full Jacobian carries a label. Axes that share a label are tied by
+    a Kronecker delta; labels listed in `pattern.val_labels` index the value array;
+    other labels are constant (a pure delta when tied, a broadcast otherwise). The repr
+    shows the pattern, e.g. `SparseTensor(f32[3 | 3], out=(a), in=(a), val[a])` is a
+    diagonal matrix storing its 3 diagonal entries.
+
+    **Attributes:**
+
+    - `val`: the value array, or `None` when every stored entry is exactly one.
+    - `pattern`: the static [`graphax_eqx._sparse.Pattern`][].
+    - `dtype`: the dtype of the Jacobian.
+    """
+
+    val: Array | None
+    pattern: Pattern = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the full Jacobian, `out_shape + in_shape`."""
+        return self.pattern.shape
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.pattern.out_shape
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return self.pattern.in_shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dense(self) -> Array:
+        """The Jacobian as a dense array of shape `out_shape + in_shape`."""
+        p = self.pattern
+        target = dense_pattern(p.out_shape, p.in_shape)
+        return refine(self, target).val  # pyright: ignore
+
+    def todense(self) -> Array:
+        """Alias of [`graphax_eqx.SparseTensor.dense`][]."""
+        return self.dense()
+
+    def to_bcoo(self) -> jsparse.BCOO:
+        """The Jacobian as a `jax.experimental.sparse.BCOO` matrix.
+
+        Only the structurally nonzero entries are stored: one per combination of the
+        distinct labels.
+        """
+        p = self.pattern
+        sizes = p.sizes
+        grids = np.indices(sizes, dtype=np.int32).reshape(len(sizes), -1)
+        indices = np.stack([grids[label] for label in p.labels], axis=-1)
+        data = _broadcast_val(self, tuple(range(p.num_labels))).reshape(-1)
+        return jsparse.BCOO((data, jnp.asarray(indices)), shape=p.shape)
+
+    def __repr__(self) -> str:
+        return _pattern_repr(self.pattern, self.dtype)
+
+
+def _dtype_str(dtype) -> str:
+    name = jnp.dtype(dtype).name
+    return {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}.get(
+        name, name
+    )
+
+
+def _pattern_repr(p: Pattern, dtype) -> str:
+    def letter(label):
+        return _LETTERS[label % len(_LETTERS)]
+
+    nout = len(p.out_shape)
+    shape = " ".join(map(str, p.out_shape)) + " | " + " ".join(map(str, p.in_shape))
+    out = " ".join(letter(label) for label in p.labels[:nout])
+    inn = " ".join(letter(label) for label in p.labels[nout:])
+    if p.val_labels:
+        val = "val[" + " ".join(letter(label) for label in p.val_labels) + "]"
+    else:
+        val = "val=const"
+    notes = []
+    for label in range(p.num_labels):
+        axes = [k for k, c in enumerate(p.labels) if c == label]
+        carried = label in p.val_labels
+        if len(axes) == 2:
+            notes.append(f"{letter(label)}: {'diagonal' if carried else 'identity'}")
+        elif not carried:
+            notes.append(f"{letter(label)}: broadcast")
+    note = ("; " + ", ".join(notes)) if notes else ""
+    return (
+        f"SparseTensor({_dtype_str(dtype)}[{shape.strip()}], out=({out}), "
+        f"in=({inn}), {val}{note})"
+    )
+
+
+def from_labeled(
+    val: Array | None,
+    val_labels: tuple,
+    out_shape: tuple[int, ...],
+    in_shape: tuple[int, ...],
+    labels: tuple,
+    dtype=None,
+) -> SparseTensor:
+    """Build a [`graphax_eqx.SparseTensor`][] from arbitrary (hashable) labels.
+
+    `val`'s axes are labelled by `val_labels` in order; the result is canonical.
+    """
+    pattern, perm = make_pattern(out_shape, in_shape, tuple(labels), tuple(val_labels))
+    if val is not None:
+        dtype = val.dtype if dtype is None else dtype
+        val = jnp.asarray(val, dtype=dtype)
+        assert val.ndim == len(val_labels), (val.shape, val_labels)
+        if perm != tuple(range(len(perm))):
+            val = jnp.transpose(val, perm)
+        assert val.shape == pattern.val_shape, (val.shape, pattern)
+    assert dtype is not None
+    return SparseTensor(val, pattern, jnp.dtype(dtype))
+
+
+def diagonal(val: Array | None, shape: tuple[int, ...], dtype=None) -> SparseTensor:
+    """An elementwise partial: every output axis tied to the same input axis.
+
+    `val` has shape `shape` (a varying diagonal), `()` (a constant times identity) or is
+    `None` (the identity).
+    """
+    n = len(shape)
+    labels = tuple(range(n)) * 2
+    if val is None or jnp.ndim(val) == 0:
+        return from_labeled(val, (), shape, shape, labels, dtype)
+    return from_labeled(val, tuple(range(n)), shape, shape, labels, dtype)
+
+
+def dense(val: Array, out_shape: tuple[int, ...], in_shape: tuple[int, ...]):
+    """A partial stored densely, `val.shape == out_shape + in_shape`."""
+    p = dense_pattern(tuple(out_shape), tuple(in_shape))
+    assert tuple(val.shape) == p.shape, (val.shape, p.shape)
+    return SparseTensor(val, p, jnp.dtype(val.dtype))
+
+
+#
+# LinearMap: a partial that is applied, not stored.
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearPattern:
+    """Static description of a [`graphax_eqx._sparse.LinearMap`][]."""
+
+    out_shape: tuple[int, ...]
+    in_shape: tuple[int, ...]
+    muls: int  # multiplications per application to one vector
+
+    @property
+    def shape(self):
+        return self.out_shape + self.in_shape
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LinearMap:
+    """A partial Jacobian given as a linear function and its transpose.
+
+    `fn` maps an array of `in_shape` to one of `out_shape`; `tfn` is its transpose.
+    Used for index-moving primitives (reshape, slice, gather, pad, ...) and
+    convolutions, whose Jacobians are large but cheap to apply.
+    """
+
+    fn: Callable[[Array], Array]
+    tfn: Callable[[Array], Array]
+    pattern: LinearPattern
+    dtype: Any
+
+    @property
+    def shape(self):
+        return self.pattern.shape
+
+    @property
+    def out_shape(self):
+        return self.pattern.out_shape
+
+    @property
+    def in_shape(self):
+        return self.pattern.in_shape
+
+
+def linear_map(
+    fn: Callable[[Array], Array],
+    in_shape: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    dtype,
+    tfn: Callable[[Array], Array] | None = None,
+    muls: int = 0,
+) -> LinearMap:
+    """Wrap a linear function as a partial; its transpose comes from JAX if not given."""
+    in_shape = tuple(int(s) for s in in_shape)
+    out_shape = tuple(int(s) for s in out_shape)
+    if tfn is None:
+        transposed = jax.linear_transpose(fn, jax.ShapeDtypeStruct(in_shape, dtype))
+
+        def tfn(ct):
+            (out,) = transposed(ct)
+            return out
+
+    return LinearMap(fn, tfn, LinearPattern(out_shape, in_shape, int(muls)), dtype)
+
+
+Partial = SparseTensor | LinearMap
+AnyPattern = Pattern | LinearPattern
+
+
+#
+# Refinement: rewrite a partial into a less structured pattern.
+#
+
+
+def _label_map(src: Pattern, target: Pattern) -> dict[int, list[int]]:
+    """For each source label, the target labels on the same axes (1 or 2 of them)."""
+    mapping: dict[int, list[int]] = {}
+    for s, t in zip(src.labels, target.labels, strict=True):
+        ts = mapping.setdefault(s, [])
+        if t not in ts:
+            ts.append(t)
+    return mapping
+
+
+def _broadcast_val(st: SparseTensor, target_val_labels: tuple[int, ...], target=None):
+    """The value array of `st` laid out over `target_val_labels` of `target`.
+
+    Missing axes are broadcast, and ties of `st` that `target` separates are
+    materialised with a diagonal mask (no multiplications).
+    """
+    p = st.pattern
+    target = p if target is None else target
+    mapping = _label_map(p, target)
+    tsizes = target.sizes
+    if st.val is None:
+        val = jnp.ones((), st.dtype)
+    else:
+        val = st.val
+    # Each carried source label goes to the first target label on its axes.
+    primary = [mapping[label][0] for label in p.val_labels]
+    assert all(t in target_val_labels for t in primary), (p, target, target_val_labels)
+    order = sorted(range(len(primary)), key=lambda i: target_val_labels.index(primary[i]))
+    if order != list(range(len(order))):
+        val = jnp.transpose(val, order)
+    present = {primary[i] for i in order}
+    expanded_shape = tuple(
+        tsizes[t] if t in present else 1 for t in target_val_labels
+    )
+    val = jnp.reshape(val, expanded_shape)
+    full_shape = tuple(tsizes[t] for t in target_val_labels)
+    val = jnp.broadcast_to(val, full_shape)
+    for s, ts in mapping.items():
+        if len(ts) == 2:
+            t1, t2 = ts
+            assert t1 in target_val_labels and t2 in target_val_labels
+            i1, i2 = target_val_labels.index(t1), target_val_labels.index(t2)
+            n = tsizes[t1]
+            mask_shape = [1] * len(full_shape)
+            mask_shape[i1] = n
+            eye = jnp.eye(n, dtype=bool)
+            if i1 < i2:
+                mask_shape[i2] = n
+                mask = eye.reshape(mask_shape)
+            else:
+                mask_shape[i2] = n
+                mask = eye.T.reshape(mask_shape)
+            val = jnp.where(mask, val, jnp.zeros((), val.dtype))
+    return val
+
+
+def refine(st: SparseTensor, target: Pattern) -> SparseTensor:
+    """Rewrite `st` in `target`, a pattern with fewer ties / more carried labels."""
+    if st.pattern == target:
+        return st
+    val = _broadcast_val(st, target.val_labels, target)
+    return SparseTensor(val, target, st.dtype)
+
+
+def _untie_pattern(p: Pattern, side: str) -> Pattern:
+    """`p` with every axis of one side (`"out"` or `"in"`) separately labelled and
+    carried; axes of the other side that were tied to them become dense too."""
+    nout = len(p.out_shape)
+    untie = range(nout) if side == "out" else range(nout, len(p.labels))
+    freed = {p.labels[k] for k in untie}
+    labels, val_labels = [], set()
+    for k, label in enumerate(p.labels):
+        if label in freed:
+            labels.append(("own", k))
+            val_labels.add(("own", k))
+        else:
+            labels.append(("old", label))
+            if label in p.val_labels:
+                val_labels.add(("old", label))
+    relabel: dict[Any, int] = {}
+    for label in labels:
+        relabel.setdefault(label, len(relabel))
+    canon = tuple(relabel[label] for label in labels)
+    canon_val = tuple(sorted(relabel[label] for label in val_labels))
+    return Pattern(p.out_shape, p.in_shape, canon, canon_val)
+
+
+#
+# Products (the chain rule).
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class _ProductPlan:
+    pattern: AnyPattern
+    kind: str
+    muls: int
+    a_sub: str = ""
+    b_sub: str = ""
+    out_sub: str = ""
+    factor: int = 1
+    refined: Pattern | None = None
+
+
+@functools.lru_cache(maxsize=65536)
+def product_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
+    """Plan `A · B` for `A: w ← v`, `B: v ← u` from their patterns alone."""
+    assert pa.in_shape == pb.out_shape, (pa, pb)
+    if isinstance(pa, LinearPattern) and isinstance(pb, LinearPattern):
+        p = LinearPattern(pa.out_shape, pb.in_shape, pa.muls + pb.muls)
+        return _ProductPlan(p, "linear-linear", 0)
+    if isinstance(pa, LinearPattern):
+        assert isinstance(pb, Pattern)
+        if pb.is_diagonal_on_out():
+            muls = _matvec_muls(pb, b_val)
+            p = LinearPattern(pa.out_shape, pb.in_shape, pa.muls + muls)
+            return _ProductPlan(p, "linear-diag", 0)
+        refined = _untie_pattern(pb, "out")
+        nv = len(pb.out_shape)
+        rest = [label for label in refined.val_labels if label >= nv]
+        batch = math.prod(refined.sizes[label] for label in rest)
+        nw = len(pa.out_shape)
+        labels = tuple(range(nw)) + tuple(
+            label - nv + nw for label in refined.labels[nv:]
+        )
+        val_labels = tuple(range(nw)) + tuple(label - nv + nw for label in rest)
+        p = Pattern(pa.out_shape, pb.in_shape, labels, val_labels)
+        return _ProductPlan(p, "linear-apply", pa.muls * batch, refined=refined)
+    if isinstance(pb, LinearPattern):
+        if pa.is_diagonal_on_in():
+            muls = _matvec_muls(pa, a_val)
+            p = LinearPattern(pa.out_shape, pb.in_shape, pb.muls + muls)
+            return _ProductPlan(p, "diag-linear", 0)
+        refined = _untie_pattern(pa, "in")
+        nw = len(pa.out_shape)
+        kw = max(refined.labels[:nw], default=-1) + 1
+        wcarried = [label for label in refined.val_labels if label < kw]
+        batch = math.prod(refined.sizes[label] for label in wcarried)
+        nu = len(pb.in_shape)
+        labels = refined.labels[:nw] + tuple(range(kw, kw + nu))
+        val_labels = tuple(wcarried) + tuple(range(kw, kw + nu))
+        p = Pattern(pa.out_shape, pb.in_shape, labels, val_labels)
+        return _ProductPlan(p, "apply-linear", pb.muls * batch, refined=refined)
+    return _sparse_product_plan(pa, pb, a_val, b_val)
+
+
+def _matvec_muls(p: Pattern, has_val: bool) -> int:
+    if not has_val:
+        return 0
+    return math.prod(p.sizes)
+
+
+def _sparse_product_plan(pa: Pattern, pb: Pattern, a_val: bool, b_val: bool):
+    nw, nv, nu = len(pa.out_shape), len(pa.in_shape), len(pb.in_shape)
+    na = pa.num_labels
+    parent = list(range(na + pb.num_labels))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for i in range(nv):
+        ra, rb = find(pa.labels[nw + i]), find(na + pb.labels[i])
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    size = {}
+    for label, s in enumerate(pa.sizes):
+        size[find(label)] = s
+    for label, s in enumerate(pb.sizes):
+        size[find(na + label)] = s
+    res_nodes = [find(pa.labels[i]) for i in range(nw)] + [
+        find(na + pb.labels[nv + j]) for j in range(nu)
+    ]
+    canon: dict[int, int] = {}
+    for r in res_nodes:
+        canon.setdefault(r, len(canon))
+    a_classes = [find(label) for label in pa.val_labels] if a_val else []
+    b_classes = [find(na + label) for label in pb.val_labels] if b_val else []
+    carried = set(a_classes) | set(b_classes)
+    all_classes = {find(label) for label in pa.labels} | {
+        find(na + label) for label in pb.labels
+    }
+    result = set(res_nodes)
+    factor = math.prod(size[c] for c in all_classes if c not in result and c not in carried)
+    out_classes = sorted((c for c in result if c in carried), key=lambda c: canon[c])
+    letters = {}
+    for c in list(a_classes) + list(b_classes):
+        letters.setdefault(c, _LETTERS[len(letters)])
+    a_sub = "".join(letters[c] for c in a_classes)
+    b_sub = "".join(letters[c] for c in b_classes)
+    out_sub = "".join(letters[c] for c in out_classes)
+    pattern = Pattern(
+        pa.out_shape,
+        pb.in_shape,
+        tuple(canon[r] for r in res_nodes),
+        tuple(canon[c] for c in out_classes),
+    )
+    out_size = math.prod(size[c] for c in out_classes)
+    if a_val and b_val:
+        muls = math.prod(size[c] for c in set(a_classes) | set(b_classes))
+    else:
+        muls = 0
+    if factor != 1:
+        muls += out_size
+    return _ProductPlan(pattern, "einsum", muls, a_sub, b_sub, out_sub, factor)
+
+
+def product_pattern(pa: AnyPattern, pb: AnyPattern, a_val=True, b_val=True):
+    """The pattern and multiplication count of `A · B`, from the patterns alone."""
+    plan = product_plan(pa, pb, a_val, b_val)
+    return plan.pattern, plan.muls
+
+
+def _apply_leading(fn, x: Array, n: int) -> Array:
+    """Apply `fn` to the leading `n` axes of `x`, vmapped over the trailing ones."""
+    rest = x.shape[n:]
+    if not rest:
+        return fn(x)
+    moved = jnp.moveaxis(x, tuple(range(n, x.ndim)), tuple(range(len(rest))))
+    flat = moved.reshape((math.prod(rest),) + x.shape[:n])
+    out = jax.vmap(fn)(flat)
+    out = out.reshape(rest + out.shape[1:])
+    m = out.ndim - len(rest)
+    return jnp.moveaxis(out, tuple(range(len(rest))), tuple(range(m, m + len(rest))))
+
+
+def _apply_trailing(fn, x: Array, n: int) -> Array:
+    """Apply `fn` to the trailing `n` axes of `x`, vmapped over the leading ones."""
+    lead = x.shape[: x.ndim - n]
+    if not lead:
+        return fn(x)
+    flat = x.reshape((math.prod(lead),) + x.shape[x.ndim - n :])
+    out = jax.vmap(fn)(flat)
+    return out.reshape(lead + out.shape[1:])
+
+
+def matvec(st: SparseTensor, x: Array) -> Array:
+    """`st` applied to `x` (shape `in_shape`), giving an array of `out_shape`."""
+    xs = dense(x, st.in_shape, ())
+    out, _ = product(st, xs)
+    assert isinstance(out, SparseTensor)
+    return out.dense()
+
+
+def rmatvec(st: SparseTensor, y: Array) -> Array:
+    """The transpose of `st` applied to `y` (shape `out_shape`)."""
+    ys = dense(y, (), st.out_shape)
+    out, _ = product(ys, st)
+    assert isinstance(out, SparseTensor)
+    return out.dense()
+
+
+def _result_dtype(a, b):
+    return jnp.result_type(a.dtype, b.dtype)
+
+
+def product(a: Partial, b: Partial) -> tuple[Partial, int]:
+    """`A · B` for `A: w ← v`, `B: v ← u`; returns the product and its multiplications."""
+    a_val = not isinstance(a, SparseTensor) or a.val is not None
+    b_val = not isinstance(b, SparseTensor) or b.val is not None
+    plan = product_plan(a.pattern, b.pattern, a_val, b_val)
+    dtype = _result_dtype(a, b)
+    if plan.kind == "linear-linear":
+        assert isinstance(a, LinearMap) and isinstance(b, LinearMap)
+        fa, fb, ta, tb = a.fn, b.fn, a.tfn, b.tfn
+        out = LinearMap(lambda x: fa(fb(x)), lambda y: tb(ta(y)), plan.pattern, dtype)
+        return out, plan.muls
+    if plan.kind == "linear-diag":
+        assert isinstance(a, LinearMap) and isinstance(b, SparseTensor)
+        fa, ta = a.fn, a.tfn
+        out = LinearMap(
+            lambda x: fa(matvec(b, x)), lambda y: rmatvec(b, ta(y)), plan.pattern, dtype
+        )
+        return out, plan.muls
+    if plan.kind == "diag-linear":
+        assert isinstance(a, SparseTensor) and isinstance(b, LinearMap)
+        fb, tb = b.fn, b.tfn
+        out = LinearMap(
+            lambda x: matvec(a, fb(x)), lambda y: tb(rmatvec(a, y)), plan.pattern, dtype
+        )
+        return out, plan.muls
+    if plan.kind == "linear-apply":
+        assert isinstance(a, LinearMap) and isinstance(b, SparseTensor)
+        assert plan.refined is not None
+        val = refine(b, plan.refined).val
+        assert val is not None
+        val = _apply_leading(a.fn, val, len(b.out_shape))
+        return SparseTensor(val.astype(dtype), plan.pattern, dtype), plan.muls
+    if plan.kind == "apply-linear":
+        assert isinstance(a, SparseTensor) and isinstance(b, LinearMap)
+        assert plan.refined is not None
+        val = refine(a, plan.refined).val
+        assert val is not None
+        val = _apply_trailing(b.tfn, val, len(a.in_shape))
+        return SparseTensor(val.astype(dtype), plan.pattern, dtype), plan.muls
+    assert isinstance(a, SparseTensor) and isinstance(b, SparseTensor)
+    operands, subs = [], []
+    if a_val:
+        operands.append(a.val)
+        subs.append(plan.a_sub)
+    if b_val:
+        operands.append(b.val)
+        subs.append(plan.b_sub)
+    if not operands:
+        val = None if plan.factor == 1 else jnp.asarray(plan.factor, dtype)
+    else:
+        expr = ",".join(subs) + "->" + plan.out_sub
+        if len(operands) == 1 and subs[0] == plan.out_sub:
+            val = operands[0]
+        else:
+            val = jnp.einsum(expr, *operands, preferred_element_type=dtype)
+        val = val.astype(dtype)
+        if plan.factor != 1:
+            val = val * jnp.asarray(plan.factor, dtype)
+    return SparseTensor(val, plan.pattern, jnp.dtype(dtype)), plan.muls
+
+
+#
+# Sums (accumulating parallel paths).
+#
+
+
+@functools.lru_cache(maxsize=65536)
+def sum_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
+    """The pattern of `A + B` and the number of additions it costs."""
+    assert pa.shape == pb.shape, (pa, pb)
+    if isinstance(pa, LinearPattern) or isinstance(pb, LinearPattern):
+        ma = pa.muls if isinstance(pa, LinearPattern) else _matvec_muls(pa, a_val)
+        mb = pb.muls if isinstance(pb, LinearPattern) else _matvec_muls(pb, b_val)
+        return LinearPattern(pa.out_shape, pa.in_shape, ma + mb), 0
+    if pa.labels == pb.labels:
+        val_labels = tuple(sorted(set(pa.val_labels) | set(pb.val_labels)))
+        target = Pattern(pa.out_shape, pa.in_shape, pa.labels, val_labels)
+        if not val_labels and not a_val and not b_val:
+            return target, 1
+        return target, target.val_size
+    # Keep a tie only where both operands have it.
+    labels = []
+    for k in range(len(pa.labels)):
+        la, lb = pa.labels[k], pb.labels[k]
+        pa_axes = tuple(j for j, c in enumerate(pa.labels) if c == la)
+        pb_axes = tuple(j for j, c in enumerate(pb.labels) if c == lb)
+        if len(pa_axes) == 2 and pa_axes == pb_axes:
+            labels.append(("tie", pa_axes))
+        else:
+            labels.append(("own", k))
+    relabel: dict[Any, int] = {}
+    for label in labels:
+        relabel.setdefault(label, len(relabel))
+    canon = tuple(relabel[label] for label in labels)
+    val = set()
+    for p in (pa, pb):
+        mapping = _label_map(p, Pattern(pa.out_shape, pa.in_shape, canon, ()))
+        for label, ts in mapping.items():
+            if label in p.val_labels or len(ts) == 2:
+                val.update(ts)
+    target = Pattern(pa.out_shape, pa.in_shape, canon, tuple(sorted(val)))
+    return target, target.val_size
+
+
+def add(a: Partial, b: Partial) -> tuple[Partial, int]:
+    """`A + B`; returns the sum and its number of additions."""
+    a_val = not isinstance(a, SparseTensor) or a.val is not None
+    b_val = not isinstance(b, SparseTensor) or b.val is not None
+    target, adds = sum_plan(a.pattern, b.pattern, a_val, b_val)
+    dtype = _result_dtype(a, b)
+    if isinstance(target, LinearPattern):
+        fa = a.fn if isinstance(a, LinearMap) else functools.partial(matvec, a)
+        fb = b.fn if isinstance(b, LinearMap) else functools.partial(matvec, b)
+        ta = a.tfn if isinstance(a, LinearMap) else functools.partial(rmatvec, a)
+        tb = b.tfn if isinstance(b, LinearMap) else functools.partial(rmatvec, b)
+        out = LinearMap(
+            lambda x: fa(x) + fb(x), lambda y: ta(y) + tb(y), target, jnp.dtype(dtype)
+        )
+        return out, adds
+    assert isinstance(a, SparseTensor) and isinstance(b, SparseTensor)
+    if a.val is None and b.val is None and not target.val_labels:
+        return SparseTensor(jnp.asarray(2, dtype), target, jnp.dtype(dtype)), adds
+    va = _broadcast_val(a, target.val_labels, target)
+    vb = _broadcast_val(b, target.val_labels, target)
+    return SparseTensor((va + vb).astype(dtype), target, jnp.dtype(dtype)), adds
+
+
+#
+# Materialisation of linear maps.
+#
+
+
+def to_sparse(partial: Partial) -> SparseTensor:
+    """A [`graphax_eqx.SparseTensor`][] for any partial (linear maps become dense)."""
+    if isinstance(partial, SparseTensor):
+        return partial
+    p = partial.pattern
+    n_in, n_out = math.prod(p.in_shape), math.prod(p.out_shape)
+    if n_in <= n_out:
+        eye = jnp.eye(n_in, dtype=partial.dtype).reshape((n_in,) + p.in_shape)
+        cols = jax.vmap(partial.fn)(eye)  # (n_in, *out)
+        val = jnp.moveaxis(cols.reshape((n_in,) + p.out_shape), 0, -1)
+        val = val.reshape(p.out_shape + p.in_shape)
+    else:
+        eye = jnp.eye(n_out, dtype=partial.dtype).reshape((n_out,) + p.out_shape)
+        rows = jax.vmap(partial.tfn)(eye)  # (n_out, *in)
+        val = rows.reshape(p.out_shape + p.in_shape)
+    return dense(val.astype(partial.dtype), p.out_shape, p.in_shape)
+
+
+def materialise_muls(p: LinearPattern) -> int:
+    return p.muls * min(math.prod(p.in_shape), math.prod(p.out_shape))
