@@ -10,3 +10,4 @@ from ._sparse import SparseTensor as SparseTensor
 
 
 __version__ = "0.1.0"
+from ._equinox import eqx_jacve as eqx_jacve, filter_jacve as filter_jacve, filter_value_and_jacve as filter_value_and_jacve

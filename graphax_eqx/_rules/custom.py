@@ -47,7 +47,7 @@ def _elementwise_call(params, primals, outs) -> bool:
         return False
     out_shape = shape_of(outs[0])
     if any(shape_of(x) not in (out_shape, ()) for x in primals):
-        return False
+        return False  # degenerate broadcasting: use the dense path
     closed = params["call_jaxpr"]
     jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
     return _is_elementwise_jaxpr(jaxpr, out_shape)

@@ -18,17 +18,28 @@ from ._base import register, register_zero, shape_of
 
 
 def _broadcast_partial(val, out_shape, in_shape, dtype):
-    """Partial of an elementwise op w.r.t. an operand that is `out_shape` or `()`.
+    """Partial of an elementwise op w.r.t. an operand broadcast to `out_shape`.
 
-    `val` is `None` (ones), a scalar, or an array of `out_shape`.
+    The operand is a scalar or has `out_shape` with some axes of size 1 (lax's
+    degenerate broadcasting). `val` is `None` (ones), a scalar, or an array of
+    `out_shape` holding `∂out[k]/∂operand[k broadcast]`.
     """
     if in_shape == out_shape:
         return diagonal(val, out_shape, dtype)
-    assert in_shape == (), (in_shape, out_shape)
     n = len(out_shape)
+    out_labels = tuple(range(n))
+    if in_shape == ():
+        in_labels = ()
+    else:
+        assert len(in_shape) == n, (in_shape, out_shape)
+        in_labels = tuple(
+            k if in_shape[k] == out_shape[k] else ("b", k) for k in range(n)
+        )
+        assert all(in_shape[k] in (1, out_shape[k]) for k in range(n))
+    labels = out_labels + in_labels
     if val is None or jnp.ndim(val) == 0:
-        return from_labeled(val, (), out_shape, (), tuple(range(n)), dtype)
-    return from_labeled(val, tuple(range(n)), out_shape, (), tuple(range(n)), dtype)
+        return from_labeled(val, (), out_shape, in_shape, labels, dtype)
+    return from_labeled(val, out_labels, out_shape, in_shape, labels, dtype)
 
 
 def _probe(prim, primals, i, params):
@@ -54,8 +65,6 @@ def elementwise_rule_for(prim):
                 continue
             val = _probe(prim, primals, i, params)
             in_shape = shape_of(primals[i])
-            if in_shape not in (out_shape, ()):
-                continue
             partials[(0, i)] = _broadcast_partial(val, out_shape, in_shape, out.dtype)
         return [out], partials
 

@@ -1,0 +1,567 @@
+"""Filtered Jacobians for Equinox models.
+
+The transforms here sit on top of [`graphax_eqx.jacve`][] and
+[`graphax_eqx.value_and_jacve`][]. They split each differentiated argument into its
+floating-point array leaves and everything else, hand only flat lists of arrays to the
+core engine, and rebuild the results so that every Jacobian has the shape of the
+object it was taken with respect to (`None` wherever a leaf was not differentiated).
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, ParamSpec, overload
+
+import equinox as eqx
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from ._jacve import jacve, value_and_jacve
+
+
+_P = ParamSpec("_P")
+
+Order = str | Sequence[int]
+
+
+class _Sentinel:
+    def __repr__(self) -> str:
+        return "sentinel"
+
+
+# Marks "no function given yet", so that the transforms work as bare decorators and as
+# decorator factories called with keyword arguments.
+sentinel: Any = _Sentinel()
+
+
+def _normalise_order(order: Order) -> Order:
+    # Explicit orders become tuples so that they are hashable: the wrappers keep the
+    # order as static metadata, and `eqx.filter_jit` hashes static metadata.
+    if isinstance(order, str):
+        return order
+    return tuple(order)
+
+
+def _refuse_kwargs(api: str, kwargs: dict[str, Any]) -> None:
+    if "argnums" in kwargs:
+        raise ValueError(
+            f"`{api}` does not take `argnums` (got `argnums={kwargs['argnums']!r}`). "
+            "It always differentiates the first positional argument. To "
+            "differentiate several objects, pack them into a tuple and pass that "
+            "tuple as the first argument, e.g. `fun((model, x), y)`; or use "
+            "`graphax_eqx.eqx_jacve`, which takes `argnums`."
+        )
+    if kwargs:
+        names = ", ".join(f"`{name}`" for name in kwargs)
+        raise TypeError(f"`{api}` got unexpected keyword argument(s): {names}.")
+
+
+def _resolve_argnums(
+    api: str, argnums: int | tuple[int, ...], num_args: int
+) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    if num_args == 0:
+        raise TypeError(
+            f"Functions wrapped with `{api}` must be called with at least one "
+            "positional argument (the object that is differentiated); got none. "
+            "Pass the differentiated object by position, not by keyword."
+        )
+    resolved = []
+    for i in nums:
+        if not -num_args <= i < num_args:
+            raise ValueError(
+                f"`{api}` was given `argnums={argnums!r}`, but the function was "
+                f"called with only {num_args} positional argument(s). Differentiated "
+                "arguments must be passed by position."
+            )
+        resolved.append(i % num_args)
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(
+            f"`{api}` was given `argnums={argnums!r}`, which names the same "
+            "argument more than once."
+        )
+    return tuple(resolved)
+
+
+def _split_output(api: str, out: Any) -> tuple[Any, Any]:
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise TypeError(
+            f"`{api}(..., has_aux=True)` requires the function to return a pair "
+            f"`(output, aux)`; it returned an object of type `{type(out).__name__}`."
+        )
+    return out[0], out[1]
+
+
+def _differentiate(
+    api: str,
+    fun: Callable,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    argnums: int | tuple[int, ...],
+    *,
+    order: Order,
+    has_aux: bool,
+    count_ops: bool,
+    sparse_representation: bool,
+    with_value: bool,
+) -> Any:
+    nums = _resolve_argnums(api, argnums, len(args))
+    args_list = list(args)
+    diff_leaves: list[Any] = []
+    diff_treedefs = []
+    diff_sizes = []
+    for i in nums:
+        diff, nondiff = eqx.partition(args_list[i], eqx.is_inexact_array)
+        leaves, treedef = jtu.tree_flatten(diff)
+        diff_leaves.extend(leaves)
+        diff_treedefs.append(treedef)
+        diff_sizes.append(len(leaves))
+        args_list[i] = nondiff
+    # Arrays that are not differentiated (integer arrays, data, arrays in kwargs) go
+    # to the engine as an explicit second argument rather than being closed over, so
+    # the engine sees ordinary inputs whether or not we are under `jit` or `vmap`.
+    dynamic, static = eqx.partition((args_list, kwargs), eqx.is_array)
+    dynamic_leaves, dynamic_treedef = jtu.tree_flatten(dynamic)
+
+    # Structures only known once `fun` has run; filled in when the engine traces.
+    traced: dict[str, Any] = {}
+
+    def flat_fun(flat_diff, flat_dynamic):
+        call_args, call_kwargs = eqx.combine(
+            jtu.tree_unflatten(dynamic_treedef, flat_dynamic), static
+        )
+        call_args = list(call_args)
+        start = 0
+        for i, treedef, size in zip(nums, diff_treedefs, diff_sizes, strict=True):
+            diff = jtu.tree_unflatten(treedef, flat_diff[start : start + size])
+            call_args[i] = eqx.combine(diff, call_args[i])
+            start += size
+        out = fun(*call_args, **call_kwargs)
+        if has_aux:
+            out, aux = _split_output(api, out)
+        out_leaves, traced["out"] = jtu.tree_flatten(out)
+        if not has_aux:
+            return out_leaves
+        # `aux` may hold arbitrary Python objects; only its arrays cross the engine.
+        aux_dynamic, aux_static = eqx.partition(aux, eqx.is_array)
+        aux_leaves, aux_treedef = jtu.tree_flatten(aux_dynamic)
+        traced["aux"] = (aux_treedef, aux_static)
+        return out_leaves, aux_leaves
+
+    if not diff_leaves:
+        # Nothing to differentiate (e.g. a model holding only integer arrays): every
+        # Jacobian is the `None`-holed structure of the argument, no elimination runs.
+        value = flat_fun(diff_leaves, dynamic_leaves)
+        rows = [[] for _ in range(traced["out"].num_leaves)]
+        counts = {"num_muls": 0, "num_adds": 0, "order": [], "order_counts": []}
+    elif with_value:
+        value, rows = value_and_jacve(flat_fun, order=order, argnums=0, has_aux=has_aux)(
+            diff_leaves, dynamic_leaves
+        )
+        counts = None
+    else:
+        result = jacve(
+            flat_fun,
+            order=order,
+            argnums=0,
+            has_aux=has_aux,
+            count_ops=count_ops,
+            sparse_representation=sparse_representation,
+        )(diff_leaves, dynamic_leaves)
+        if count_ops:
+            result, counts = result
+        else:
+            counts = None
+        if has_aux:
+            rows, aux_leaves = result
+            value = (None, aux_leaves)
+        else:
+            rows = result
+            value = None
+
+    if "out" not in traced:
+        raise RuntimeError(
+            f"`{api}` could not recover the output structure of the function: the "
+            "core engine did not call it."
+        )
+    out_treedef = traced["out"]
+    is_tuple = not isinstance(argnums, int)
+    per_output = []
+    for row in rows:
+        row = list(row)
+        trees = []
+        start = 0
+        for treedef, size in zip(diff_treedefs, diff_sizes, strict=True):
+            trees.append(jtu.tree_unflatten(treedef, row[start : start + size]))
+            start += size
+        per_output.append(tuple(trees) if is_tuple else trees[0])
+    jac = jtu.tree_unflatten(out_treedef, per_output)
+
+    if has_aux:
+        out_leaves, aux_leaves = value
+        aux_treedef, aux_static = traced["aux"]
+        aux = eqx.combine(jtu.tree_unflatten(aux_treedef, aux_leaves), aux_static)
+    else:
+        out_leaves, aux = value, None
+
+    if with_value:
+        out = jtu.tree_unflatten(out_treedef, out_leaves)
+        return ((out, aux), jac) if has_aux else (out, jac)
+    result = (jac, aux) if has_aux else jac
+    return (result, counts) if count_ops else result
+
+
+class _JacveWrapper(eqx.Module):
+    _fun: Callable
+    _api: str = eqx.field(static=True)
+    _argnums: int | tuple[int, ...] = eqx.field(static=True)
+    _order: Order = eqx.field(static=True)
+    _has_aux: bool = eqx.field(static=True)
+    _count_ops: bool = eqx.field(static=True)
+    _sparse_representation: bool = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self):
+        return self._fun
+
+    def __call__(self, /, *args, **kwargs):
+        return _differentiate(
+            self._api,
+            self._fun,
+            args,
+            kwargs,
+            self._argnums,
+            order=self._order,
+            has_aux=self._has_aux,
+            count_ops=self._count_ops,
+            sparse_representation=self._sparse_representation,
+            with_value=False,
+        )
+
+    def __get__(self, instance, owner):
+        del owner
+        # Accessed on an instance: bind it as the first (differentiated) argument.
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)
+
+
+class _ValueAndJacveWrapper(eqx.Module):
+    _fun: Callable
+    _order: Order = eqx.field(static=True)
+    _has_aux: bool = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self):
+        return self._fun
+
+    def __call__(self, /, *args, **kwargs):
+        return _differentiate(
+            "filter_value_and_jacve",
+            self._fun,
+            args,
+            kwargs,
+            0,
+            order=self._order,
+            has_aux=self._has_aux,
+            count_ops=False,
+            sparse_representation=False,
+            with_value=True,
+        )
+
+    def __get__(self, instance, owner):
+        del owner
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)
+
+
+@overload
+def filter_jacve(
+    *,
+    order: Order = "auto",
+    has_aux: bool = False,
+    count_ops: bool = False,
+    sparse_representation: bool = False,
+) -> Callable[[Callable[_P, Any]], Callable[_P, Any]]: ...
+
+
+@overload
+def filter_jacve(
+    fun: Callable[_P, Any],
+    *,
+    order: Order = "auto",
+    has_aux: bool = False,
+    count_ops: bool = False,
+    sparse_representation: bool = False,
+) -> Callable[_P, Any]: ...
+
+
+def filter_jacve(
+    fun=sentinel,
+    *,
+    order: Order = "auto",
+    has_aux: bool = False,
+    count_ops: bool = False,
+    sparse_representation: bool = False,
+    **kwargs,
+) -> Callable:
+    """Creates a function that computes the Jacobian of `fun` with respect to every
+    floating-point array in its first argument, by vertex elimination.
+
+    This is the filtered counterpart of [`graphax_eqx.jacve`][], in the way that
+    `equinox.filter_jacrev` is the filtered counterpart of `jax.jacrev`. The first
+    positional argument may be any PyTree, typically an `equinox.Module`: its
+    floating-point JAX and NumPy arrays are differentiated; every other leaf (integer
+    arrays, Python scalars, strings, functions, static fields) is held fixed and gets
+    `None` in the result. The remaining positional and keyword arguments are passed
+    through undifferentiated and may be arbitrary Python objects.
+
+    The Jacobian nests like `equinox.filter_jacrev`'s: the structure of the output of
+    `fun` outermost, then the structure of the first argument, with leaves of shape
+    `out.shape + leaf.shape`. In particular, when `fun` returns a scalar the result
+    has exactly the shape of the first argument, like a gradient from
+    `equinox.filter_grad`.
+
+    Can be used directly, `filter_jacve(fun)`, or as a decorator with or without
+    arguments, `@filter_jacve` or `@filter_jacve(order="fwd")`. When it decorates a
+    method, `self` is the differentiated argument.
+
+    **Arguments:**
+
+    - `fun`: the function to differentiate. Its output must be a PyTree of arrays.
+    - `order`: the vertex elimination order: `"fwd"`, `"rev"`, `"markowitz"`,
+        `"auto"` (the cheapest of the three, the default), or an explicit sequence of
+        vertex ids. The order changes the cost, never the result (up to rounding).
+    - `has_aux`: if `True`, `fun` returns a pair `(output, aux)`; only `output` is
+        differentiated and `aux` is handed back unchanged. `aux` may be any Python
+        object, not only arrays.
+    - `count_ops`: if `True`, also return the operation counts of the elimination.
+    - `sparse_representation`: if `True`, the Jacobian leaves are
+        [`graphax_eqx.SparseTensor`][]s that keep the structure of the Jacobian,
+        instead of dense arrays.
+
+    `argnums` is not accepted: pass several objects as one tuple in the first
+    argument instead, or use [`graphax_eqx.eqx_jacve`][].
+
+    **Returns:**
+
+    A function with the same arguments as `fun`. It returns the Jacobian; or
+    `(jacobian, aux)` if `has_aux=True`; and either of these is paired with a dict of
+    operation counts, `(result, counts)`, if `count_ops=True`. The counts are Python
+    integers under the keys `"num_muls"` and `"num_adds"`, together with the order
+    used (`"order"`, `"order_counts"`).
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax.numpy as jnp
+        import jax.random as jr
+        import graphax_eqx as gx
+
+        model = eqx.nn.MLP(3, 2, width_size=8, depth=2, key=jr.PRNGKey(0))
+        x = jnp.ones(3)
+
+        @gx.filter_jacve(order="markowitz")
+        def forward(model, x):
+            return model(x)
+
+        jac = forward(model, x)
+        jac.layers[0].weight.shape  # (2, 8, 3): output shape + weight shape
+        jac.activation  # None: not differentiated
+        ```
+
+    !!! tip
+
+        To differentiate with respect to both a model and its input, pack them:
+        `filter_jacve(lambda mx: mx[0](mx[1]))((model, x))`.
+    """
+    _refuse_kwargs("filter_jacve", kwargs)
+    if fun is sentinel:
+
+        def decorator(fun):
+            return filter_jacve(
+                fun,
+                order=order,
+                has_aux=has_aux,
+                count_ops=count_ops,
+                sparse_representation=sparse_representation,
+            )
+
+        return decorator
+    wrapper = _JacveWrapper(
+        fun,
+        "filter_jacve",
+        0,
+        _normalise_order(order),
+        has_aux,
+        count_ops,
+        sparse_representation,
+    )
+    return eqx.module_update_wrapper(wrapper)
+
+
+@overload
+def filter_value_and_jacve(
+    *, order: Order = "auto", has_aux: Literal[False] = False
+) -> Callable[[Callable[_P, Any]], Callable[_P, tuple[Any, PyTree]]]: ...
+
+
+@overload
+def filter_value_and_jacve(
+    *, order: Order = "auto", has_aux: Literal[True]
+) -> Callable[[Callable[_P, Any]], Callable[_P, tuple[tuple[Any, Any], PyTree]]]: ...
+
+
+@overload
+def filter_value_and_jacve(
+    fun: Callable[_P, Any], *, order: Order = "auto", has_aux: Literal[False] = False
+) -> Callable[_P, tuple[Any, PyTree]]: ...
+
+
+@overload
+def filter_value_and_jacve(
+    fun: Callable[_P, Any], *, order: Order = "auto", has_aux: Literal[True]
+) -> Callable[_P, tuple[tuple[Any, Any], PyTree]]: ...
+
+
+def filter_value_and_jacve(
+    fun=sentinel, *, order: Order = "auto", has_aux: bool = False, **kwargs
+) -> Callable:
+    """Creates a function that evaluates `fun` and its Jacobian with respect to the
+    first argument, in one pass.
+
+    The counterpart of `equinox.filter_value_and_grad`: differentiation is with
+    respect to every floating-point JAX or NumPy array in the first positional
+    argument, all other leaves get `None`, and the other arguments are passed through
+    undifferentiated. The Jacobian is laid out as in [`graphax_eqx.filter_jacve`][];
+    for a scalar loss it is a gradient shaped like the model, ready for `optax`.
+
+    Works as `filter_value_and_jacve(fun)`, `@filter_value_and_jacve` and
+    `@filter_value_and_jacve(order=...)`, and on methods.
+
+    **Arguments:**
+
+    - `fun`: the function to evaluate and differentiate. Its output must be a PyTree
+        of arrays.
+    - `order`: the vertex elimination order, as in [`graphax_eqx.filter_jacve`][].
+    - `has_aux`: if `True`, `fun` returns a pair `(output, aux)`; `aux` may be any
+        Python object and is returned unchanged.
+
+    `argnums` is not accepted: pack several objects into a tuple in the first
+    argument instead.
+
+    **Returns:**
+
+    A function with the same arguments as `fun`, returning `(value, jacobian)`, or
+    `((value, aux), jacobian)` if `has_aux=True`.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax.numpy as jnp
+        import jax.random as jr
+        import optax
+        import graphax_eqx as gx
+
+        model = eqx.nn.MLP(2, 1, width_size=16, depth=2, key=jr.PRNGKey(0))
+        optim = optax.adam(1e-2)
+        opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
+
+        @eqx.filter_jit
+        def step(model, opt_state, x, y):
+            def loss(model, x, y):
+                pred = eqx.filter_vmap(model)(x)
+                return jnp.mean((pred - y) ** 2)
+
+            value, grads = gx.filter_value_and_jacve(loss)(model, x, y)
+            updates, opt_state = optim.update(grads, opt_state, model)
+            return eqx.apply_updates(model, updates), opt_state, value
+        ```
+    """
+    _refuse_kwargs("filter_value_and_jacve", kwargs)
+    if fun is sentinel:
+
+        def decorator(fun):
+            return filter_value_and_jacve(fun, order=order, has_aux=has_aux)
+
+        return decorator
+    wrapper = _ValueAndJacveWrapper(fun, _normalise_order(order), has_aux)
+    return eqx.module_update_wrapper(wrapper)
+
+
+def eqx_jacve(
+    fun: Callable[_P, Any],
+    order: Order = "auto",
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    count_ops: bool = False,
+    sparse_representation: bool = False,
+) -> Callable[_P, Any]:
+    """Like [`graphax_eqx.jacve`][], but each differentiated argument may be any
+    PyTree, such as an `equinox.Module`.
+
+    Every argument selected by `argnums` is split into its floating-point array
+    leaves, which are differentiated, and everything else, which is held fixed and
+    gets `None` in the result. The Jacobian nests as `jax.jacrev(fun, argnums)` would
+    nest it: output structure outermost, then a tuple over `argnums` if `argnums` is
+    a sequence, then the structure of each argument, with leaves of shape
+    `out.shape + leaf.shape`. Arguments not in `argnums`, and keyword arguments, are
+    passed through undifferentiated and may be arbitrary Python objects.
+
+    **Arguments:**
+
+    - `fun`: the function to differentiate. Its output must be a PyTree of arrays.
+    - `order`: the vertex elimination order, as in [`graphax_eqx.jacve`][].
+    - `argnums`: an integer or a sequence of integers: which positional arguments to
+        differentiate.
+    - `has_aux`: if `True`, `fun` returns a pair `(output, aux)`; `aux` may be any
+        Python object and is returned unchanged.
+    - `count_ops`: if `True`, also return the operation counts of the elimination.
+    - `sparse_representation`: if `True`, the Jacobian leaves are
+        [`graphax_eqx.SparseTensor`][]s instead of dense arrays.
+
+    **Returns:**
+
+    A function with the same arguments as `fun`, returning the Jacobian; or
+    `(jacobian, aux)` if `has_aux=True`; paired with the operation counts,
+    `(result, counts)`, if `count_ops=True`.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax.numpy as jnp
+        import jax.random as jr
+        import graphax_eqx as gx
+
+        linear = eqx.nn.Linear(3, 2, key=jr.PRNGKey(0))
+        x = jnp.ones(3)
+
+        def f(linear, x):
+            return jnp.tanh(linear(x))
+
+        d_linear, d_x = gx.eqx_jacve(f, argnums=(0, 1))(linear, x)
+        d_linear.weight.shape  # (2, 2, 3)
+        d_x.shape  # (2, 3)
+        ```
+    """
+    if isinstance(argnums, int):
+        nums: int | tuple[int, ...] = argnums
+    else:
+        nums = tuple(argnums)
+        if not all(isinstance(i, int) for i in nums) or len(nums) == 0:
+            raise TypeError(
+                "`eqx_jacve` requires `argnums` to be an integer or a non-empty "
+                f"sequence of integers; got `argnums={argnums!r}`."
+            )
+    wrapper = _JacveWrapper(
+        fun,
+        "eqx_jacve",
+        nums,
+        _normalise_order(order),
+        has_aux,
+        count_ops,
+        sparse_representation,
+    )
+    return eqx.module_update_wrapper(wrapper)
