@@ -153,9 +153,9 @@ def _differentiate(
         rows = [[] for _ in range(traced["out"].num_leaves)]
         counts = {"num_muls": 0, "num_adds": 0, "order": [], "order_counts": []}
     elif with_value:
-        value, rows = value_and_jacve(flat_fun, order=order, argnums=0, has_aux=has_aux)(
-            diff_leaves, dynamic_leaves
-        )
+        value, rows = value_and_jacve(
+            flat_fun, order=order, argnums=0, has_aux=has_aux
+        )(diff_leaves, dynamic_leaves)
         counts = None
     else:
         result = jacve(

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from . import _jax_private as jp
 from ._rules import get_rule, zero_derivative
-from ._sparse import Partial, add, diagonal
+from ._sparse import LinearMap, Partial, add, diagonal, should_materialise, to_sparse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +250,10 @@ def evaluate(
                 w = out_vertices[k]
                 if w is None or not need[i]:
                     continue
+                if isinstance(partial, LinearMap) and should_materialise(
+                    partial.pattern
+                ):
+                    partial = to_sparse(partial)
                 u = vid[eqn.invars[i]]  # pyright: ignore
                 old = graph.succ[u].get(w)
                 if old is not None:

@@ -298,10 +298,22 @@ class LinearPattern:
     out_shape: tuple[int, ...]
     in_shape: tuple[int, ...]
     muls: int  # multiplications per application to one vector
+    size: int = 1  # primitive applications when the composed function is unfolded
 
     @property
     def shape(self):
         return self.out_shape + self.in_shape
+
+
+# A linear map this small is cheaper stored than applied.
+_MATERIALISE_ENTRIES = 256
+# Composed linear maps re-run shared pieces; beyond this many pieces, store instead.
+_MAX_UNFOLDED = 16
+
+
+def should_materialise(p: LinearPattern) -> bool:
+    entries = math.prod(p.in_shape) * math.prod(p.out_shape)
+    return entries <= _MATERIALISE_ENTRIES or p.size > _MAX_UNFOLDED
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -463,6 +475,24 @@ class _ProductPlan:
     out_sub: str = ""
     factor: int = 1
     refined: Pattern | None = None
+    materialise: bool = False
+    lazy: LinearPattern | None = None  # the linear map's pattern, before settling
+
+
+def _settle(plan: _ProductPlan) -> _ProductPlan:
+    """Store a composed linear map instead of keeping it lazy, when that is better."""
+    p = plan.pattern
+    if isinstance(p, LinearPattern) and not should_materialise(p):
+        return dataclasses.replace(plan, lazy=p)
+    if isinstance(p, LinearPattern):
+        return dataclasses.replace(
+            plan,
+            lazy=p,
+            pattern=dense_pattern(p.out_shape, p.in_shape),
+            muls=plan.muls + materialise_muls(p),
+            materialise=True,
+        )
+    return plan
 
 
 @functools.lru_cache(maxsize=65536)
@@ -470,14 +500,14 @@ def product_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
     """Plan `A · B` for `A: w ← v`, `B: v ← u` from their patterns alone."""
     assert pa.in_shape == pb.out_shape, (pa, pb)
     if isinstance(pa, LinearPattern) and isinstance(pb, LinearPattern):
-        p = LinearPattern(pa.out_shape, pb.in_shape, pa.muls + pb.muls)
-        return _ProductPlan(p, "linear-linear", 0)
+        p = LinearPattern(pa.out_shape, pb.in_shape, pa.muls + pb.muls, pa.size + pb.size)
+        return _settle(_ProductPlan(p, "linear-linear", 0))
     if isinstance(pa, LinearPattern):
         assert isinstance(pb, Pattern)
         if pb.is_diagonal_on_out():
             muls = _matvec_muls(pb, b_val)
-            p = LinearPattern(pa.out_shape, pb.in_shape, pa.muls + muls)
-            return _ProductPlan(p, "linear-diag", 0)
+            p = LinearPattern(pa.out_shape, pb.in_shape, pa.muls + muls, pa.size + 1)
+            return _settle(_ProductPlan(p, "linear-diag", 0))
         refined = _untie_pattern(pb, "out")
         nv = len(pb.out_shape)
         rest = [label for label in refined.val_labels if label >= nv]
@@ -492,8 +522,8 @@ def product_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
     if isinstance(pb, LinearPattern):
         if pa.is_diagonal_on_in():
             muls = _matvec_muls(pa, a_val)
-            p = LinearPattern(pa.out_shape, pb.in_shape, pb.muls + muls)
-            return _ProductPlan(p, "diag-linear", 0)
+            p = LinearPattern(pa.out_shape, pb.in_shape, pb.muls + muls, pb.size + 1)
+            return _settle(_ProductPlan(p, "diag-linear", 0))
         refined = _untie_pattern(pa, "in")
         nw = len(pa.out_shape)
         kw = max(refined.labels[:nw], default=-1) + 1
@@ -624,24 +654,31 @@ def product(a: Partial, b: Partial) -> tuple[Partial, int]:
     a_val = not isinstance(a, SparseTensor) or a.val is not None
     b_val = not isinstance(b, SparseTensor) or b.val is not None
     plan = product_plan(a.pattern, b.pattern, a_val, b_val)
+    out, muls = _product(a, b, plan, a_val, b_val)
+    if plan.materialise:
+        out = to_sparse(out)
+    return out, muls
+
+
+def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: bool):
     dtype = _result_dtype(a, b)
     if plan.kind == "linear-linear":
         assert isinstance(a, LinearMap) and isinstance(b, LinearMap)
         fa, fb, ta, tb = a.fn, b.fn, a.tfn, b.tfn
-        out = LinearMap(lambda x: fa(fb(x)), lambda y: tb(ta(y)), plan.pattern, dtype)
+        out = LinearMap(lambda x: fa(fb(x)), lambda y: tb(ta(y)), plan.lazy, dtype)
         return out, plan.muls
     if plan.kind == "linear-diag":
         assert isinstance(a, LinearMap) and isinstance(b, SparseTensor)
         fa, ta = a.fn, a.tfn
         out = LinearMap(
-            lambda x: fa(matvec(b, x)), lambda y: rmatvec(b, ta(y)), plan.pattern, dtype
+            lambda x: fa(matvec(b, x)), lambda y: rmatvec(b, ta(y)), plan.lazy, dtype
         )
         return out, plan.muls
     if plan.kind == "diag-linear":
         assert isinstance(a, SparseTensor) and isinstance(b, LinearMap)
         fb, tb = b.fn, b.tfn
         out = LinearMap(
-            lambda x: matvec(a, fb(x)), lambda y: tb(rmatvec(a, y)), plan.pattern, dtype
+            lambda x: matvec(a, fb(x)), lambda y: tb(rmatvec(a, y)), plan.lazy, dtype
         )
         return out, plan.muls
     if plan.kind == "linear-apply":
@@ -692,7 +729,14 @@ def sum_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
     if isinstance(pa, LinearPattern) or isinstance(pb, LinearPattern):
         ma = pa.muls if isinstance(pa, LinearPattern) else _matvec_muls(pa, a_val)
         mb = pb.muls if isinstance(pb, LinearPattern) else _matvec_muls(pb, b_val)
-        return LinearPattern(pa.out_shape, pa.in_shape, ma + mb), 0
+        sa = pa.size if isinstance(pa, LinearPattern) else 1
+        sb = pb.size if isinstance(pb, LinearPattern) else 1
+        lazy = LinearPattern(pa.out_shape, pa.in_shape, ma + mb, sa + sb)
+        if not should_materialise(lazy):
+            return lazy, 0
+        # Store both terms and add them.
+        dense_p = dense_pattern(pa.out_shape, pa.in_shape)
+        return dense_p, dense_p.val_size
     if pa.labels == pb.labels:
         val_labels = tuple(sorted(set(pa.val_labels) | set(pb.val_labels)))
         target = Pattern(pa.out_shape, pa.in_shape, pa.labels, val_labels)
@@ -738,7 +782,7 @@ def add(a: Partial, b: Partial) -> tuple[Partial, int]:
             lambda x: fa(x) + fb(x), lambda y: ta(y) + tb(y), target, jnp.dtype(dtype)
         )
         return out, adds
-    assert isinstance(a, SparseTensor) and isinstance(b, SparseTensor)
+    a, b = to_sparse(a), to_sparse(b)
     if a.val is None and b.val is None and not target.val_labels:
         return SparseTensor(jnp.asarray(2, dtype), target, jnp.dtype(dtype)), adds
     va = _broadcast_val(a, target.val_labels, target)

@@ -55,7 +55,44 @@ def _probe(prim, primals, i, params):
     return tangent
 
 
+def _full(val, out):
+    """`val` as an out-shaped array, or left a scalar when it is one."""
+    if jnp.ndim(val) == 0 or shape_of(val) == shape_of(out):
+        return val.astype(out.dtype)
+    return jnp.broadcast_to(val, shape_of(out)).astype(out.dtype)
+
+
+# Direct formulas for the commonest primitives: `(primals, out, i, params) -> ∂out/∂x_i`.
+# They emit fewer operations than a probe; each follows JAX's own JVP rule.
+def _integer_pow_derivative(primals, out, i, params):
+    (x,), y = primals, params["y"]
+    if y == 0:
+        return jnp.zeros_like(x)
+    if y == 1:
+        return jnp.ones_like(x)
+    return y * lax.integer_pow(x, y - 1)
+
+
+_formulas = {
+    lax.mul_p: lambda p, out, i, _: _full(p[1 - i], out),
+    lax.div_p: lambda p, out, i, _: _full(
+        1 / p[1] if i == 0 else -(out / p[1]), out
+    ),
+    lax.sin_p: lambda p, out, i, _: jnp.cos(p[0]),
+    lax.cos_p: lambda p, out, i, _: -jnp.sin(p[0]),
+    lax.exp_p: lambda p, out, i, _: out,
+    lax.log_p: lambda p, out, i, _: 1 / p[0],
+    lax.tanh_p: lambda p, out, i, _: (1 + out) * (1 - out),
+    lax.logistic_p: lambda p, out, i, _: out * (1 - out),
+    lax.sqrt_p: lambda p, out, i, _: 0.5 / out,
+    lax.square_p: lambda p, out, i, _: 2 * p[0],
+    lax.integer_pow_p: _integer_pow_derivative,
+}
+
+
 def elementwise_rule_for(prim):
+    formula = _formulas.get(prim)
+
     def rule(primals, active, **params):
         out = prim.bind(*primals, **params)
         out_shape = shape_of(out)
@@ -63,7 +100,10 @@ def elementwise_rule_for(prim):
         for i, a in enumerate(active):
             if not a:
                 continue
-            val = _probe(prim, primals, i, params)
+            if formula is not None:
+                val = formula(primals, out, i, params)
+            else:
+                val = _probe(prim, primals, i, params)
             in_shape = shape_of(primals[i])
             partials[(0, i)] = _broadcast_partial(val, out_shape, in_shape, out.dtype)
         return [out], partials
