@@ -146,17 +146,19 @@ def _differentiate(
         traced["aux"] = (aux_treedef, aux_static)
         return out_leaves, aux_leaves
 
+    counts = None
     if not diff_leaves:
         # Nothing to differentiate (e.g. a model holding only integer arrays): every
         # Jacobian is the `None`-holed structure of the argument, no elimination runs.
-        value = flat_fun(diff_leaves, dynamic_leaves)
-        rows = [[] for _ in range(traced["out"].num_leaves)]
+        result = flat_fun(diff_leaves, dynamic_leaves)
+        out_leaves, aux_leaves = result if has_aux else (result, None)
+        rows = [[] for _ in out_leaves]
         counts = {"num_muls": 0, "num_adds": 0, "order": [], "order_counts": []}
     elif with_value:
         value, rows = value_and_jacve(
             flat_fun, order=order, argnums=0, has_aux=has_aux
         )(diff_leaves, dynamic_leaves)
-        counts = None
+        out_leaves, aux_leaves = value if has_aux else (value, None)
     else:
         result = jacve(
             flat_fun,
@@ -168,20 +170,10 @@ def _differentiate(
         )(diff_leaves, dynamic_leaves)
         if count_ops:
             result, counts = result
-        else:
-            counts = None
-        if has_aux:
-            rows, aux_leaves = result
-            value = (None, aux_leaves)
-        else:
-            rows = result
-            value = None
+        rows, aux_leaves = result if has_aux else (result, None)
+        out_leaves = None
+    assert "out" in traced, "the core engine did not trace the function"
 
-    if "out" not in traced:
-        raise RuntimeError(
-            f"`{api}` could not recover the output structure of the function: the "
-            "core engine did not call it."
-        )
     out_treedef = traced["out"]
     is_tuple = not isinstance(argnums, int)
     per_output = []
@@ -196,11 +188,10 @@ def _differentiate(
     jac = jtu.tree_unflatten(out_treedef, per_output)
 
     if has_aux:
-        out_leaves, aux_leaves = value
         aux_treedef, aux_static = traced["aux"]
         aux = eqx.combine(jtu.tree_unflatten(aux_treedef, aux_leaves), aux_static)
     else:
-        out_leaves, aux = value, None
+        aux = None
 
     if with_value:
         out = jtu.tree_unflatten(out_treedef, out_leaves)

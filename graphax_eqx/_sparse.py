@@ -645,6 +645,16 @@ def rmatvec(st: SparseTensor, y: Array) -> Array:
     return out.dense()
 
 
+def _align(val: Array, sub: str, out_sub: str) -> Array:
+    """`val` (axes named by `sub`) transposed and expanded to broadcast to `out_sub`."""
+    present = [c for c in out_sub if c in sub]
+    perm = [sub.index(c) for c in present]
+    if perm != list(range(len(perm))):
+        val = jnp.transpose(val, perm)
+    shape = [val.shape[present.index(c)] if c in sub else 1 for c in out_sub]
+    return jnp.reshape(val, shape)
+
+
 def _result_dtype(a, b):
     return jnp.result_type(a.dtype, b.dtype)
 
@@ -709,6 +719,11 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
         expr = ",".join(subs) + "->" + plan.out_sub
         if len(operands) == 1 and subs[0] == plan.out_sub:
             val = operands[0]
+        elif set("".join(subs)) <= set(plan.out_sub):
+            # Nothing is summed: a broadcast multiply fuses better than a dot.
+            val = _align(operands[0], subs[0], plan.out_sub)
+            for operand, sub in zip(operands[1:], subs[1:], strict=True):
+                val = val * _align(operand, sub, plan.out_sub)
         else:
             val = jnp.einsum(expr, *operands, preferred_element_type=dtype)
         val = val.astype(dtype)
