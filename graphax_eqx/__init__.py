@@ -1,5 +1,10 @@
 """Jacobians by vertex elimination (cross-country elimination) for JAX and Equinox."""
 
+from ._equinox import (
+    eqx_jacve as eqx_jacve,
+    filter_jacve as filter_jacve,
+    filter_value_and_jacve as filter_value_and_jacve,
+)
 from ._jacve import (
     Graph as Graph,
     jacve as jacve,
@@ -10,4 +15,3 @@ from ._sparse import SparseTensor as SparseTensor
 
 
 __version__ = "0.1.0"
-from ._equinox import eqx_jacve as eqx_jacve, filter_jacve as filter_jacve, filter_value_and_jacve as filter_value_and_jacve

@@ -31,7 +31,9 @@ def _normalise_argnums(argnums) -> tuple[tuple[int, ...], bool]:
         isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in argnums
     ):
         if len(argnums) == 0:
-            raise ValueError("`jacve` got `argnums=()`; pass at least one argument index.")
+            raise ValueError(
+                "`jacve` got `argnums=()`; pass at least one argument index."
+            )
         return tuple(int(a) for a in argnums), True
     raise TypeError(
         f"`jacve` got `argnums={argnums!r}`; it must be an int or a tuple of ints, "
@@ -255,7 +257,9 @@ def _assemble(prep: _Prepared, graph: EdgeGraph, as_tuple: bool, sparse: bool):
     inputs = iter(structure.inputs)
     input_vid = {}
     for k in prep.argnums:
-        for j in range(prep.arg_offsets[k], prep.arg_offsets[k] + prep.arg_trees[k].num_leaves):
+        for j in range(
+            prep.arg_offsets[k], prep.arg_offsets[k] + prep.arg_trees[k].num_leaves
+        ):
             input_vid[j] = next(inputs)
     per_output = []
     for o in range(traced.num_out):
@@ -294,7 +298,9 @@ def _outputs(prep: _Prepared, flat_out):
 class _JacVE:
     """The callable returned by `jacve` / `value_and_jacve`."""
 
-    def __init__(self, fun, order, argnums, has_aux, count_ops, sparse, with_value, name):
+    def __init__(
+        self, fun, order, argnums, has_aux, count_ops, sparse, with_value, name
+    ):
         if not callable(fun):
             raise TypeError(f"`{name}` expects a callable, got {type(fun).__name__}.")
         self.fun = fun
@@ -440,7 +446,7 @@ class Vertex:
 
 @dataclasses.dataclass(frozen=True)
 class Edge:
-    """An edge `src → dst` carrying the partial `∂dst/∂src`; `structure` is its pattern."""
+    """An edge `src → dst` carrying `∂dst/∂src`; `structure` describes its pattern."""
 
     src: int
     dst: int
@@ -542,7 +548,9 @@ def make_graph(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable[...,
         jax.eval_shape(abstract, *prep.leaves)
         graph = captured["graph"]
         vertices = []
-        for v in sorted(structure.shape_of, key=lambda v: (v >= 0, abs(v) if v < 0 else v)):
+        for v in sorted(
+            structure.shape_of, key=lambda v: (v >= 0, abs(v) if v < 0 else v)
+        ):
             if v < 0:
                 kind = "input"
             elif v in structure.output_sources:

@@ -73,7 +73,7 @@ def inner_jaxpr(eqn) -> tuple[Any, list] | None:
 
 
 def custom_call_jaxpr(eqn):
-    """The primal body of a `custom_jvp_call` / `custom_vjp_call` (open jaxpr, consts)."""
+    """The primal body of a custom-derivative call, as (open jaxpr, consts)."""
     closed = eqn.params["call_jaxpr"]
     if isinstance(closed, ClosedJaxpr):
         return closed.jaxpr, list(closed.consts)

@@ -26,8 +26,9 @@ def normalise_order(order):
         name = _ALIASES.get(order.lower())
         if name is None:
             raise ValueError(
-                f"`jacve` got `order={order!r}`, which is not a known order. Use one of "
-                f"{', '.join(repr(n) for n in ORDER_NAMES)}, or a sequence of vertex ids "
+                f"`jacve` got `order={order!r}`, which is not a known order. Use "
+                f"one of {', '.join(repr(n) for n in ORDER_NAMES)}, or a sequence "
+                "of vertex ids "
                 "(see `graphax_eqx.make_graph`)."
             )
         return name
@@ -65,8 +66,11 @@ def validate(order: tuple[int, ...], intermediates: Sequence[int], outputs, inpu
     outputs = [o for o in outputs if o is not None]
     output_ids = sorted(v for v in seen if v in set(outputs))
     input_ids = sorted(v for v in seen if v in set(inputs))
-    unknown = sorted(v for v in seen if v not in expected and v not in set(outputs)
-                     and v not in set(inputs))
+    unknown = sorted(
+        v
+        for v in seen
+        if v not in expected and v not in set(outputs) and v not in set(inputs)
+    )
     missing = sorted(expected - seen)
     problems = []
     if missing:
@@ -91,7 +95,7 @@ def validate(order: tuple[int, ...], intermediates: Sequence[int], outputs, inpu
 
 
 def markowitz(graph: EdgeGraph, intermediates: Sequence[int]) -> list[int]:
-    """Greedy order: always eliminate the currently cheapest vertex (ties: lowest id)."""
+    """Greedy order: eliminate the currently cheapest vertex (ties: lowest id)."""
     g = graph.copy_with(lambda e: e)
     remaining = set(intermediates)
     version = dict.fromkeys(remaining, 0)

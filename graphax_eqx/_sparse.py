@@ -210,9 +210,12 @@ class SparseTensor(eqx.Module):
 
 def _dtype_str(dtype) -> str:
     name = jnp.dtype(dtype).name
-    return {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}.get(
-        name, name
-    )
+    return {
+        "float32": "f32",
+        "float64": "f64",
+        "float16": "f16",
+        "bfloat16": "bf16",
+    }.get(name, name)
 
 
 def _pattern_repr(p: Pattern, dtype) -> str:
@@ -351,7 +354,7 @@ def linear_map(
     tfn: Callable[[Array], Array] | None = None,
     muls: int = 0,
 ) -> LinearMap:
-    """Wrap a linear function as a partial; its transpose comes from JAX if not given."""
+    """Wrap a linear function as a partial; JAX derives its transpose if not given."""
     in_shape = tuple(int(s) for s in in_shape)
     out_shape = tuple(int(s) for s in out_shape)
     if tfn is None:
@@ -400,13 +403,13 @@ def _broadcast_val(st: SparseTensor, target_val_labels: tuple[int, ...], target=
     # Each carried source label goes to the first target label on its axes.
     primary = [mapping[label][0] for label in p.val_labels]
     assert all(t in target_val_labels for t in primary), (p, target, target_val_labels)
-    order = sorted(range(len(primary)), key=lambda i: target_val_labels.index(primary[i]))
+    order = sorted(
+        range(len(primary)), key=lambda i: target_val_labels.index(primary[i])
+    )
     if order != list(range(len(order))):
         val = jnp.transpose(val, order)
     present = {primary[i] for i in order}
-    expanded_shape = tuple(
-        tsizes[t] if t in present else 1 for t in target_val_labels
-    )
+    expanded_shape = tuple(tsizes[t] if t in present else 1 for t in target_val_labels)
     val = jnp.reshape(val, expanded_shape)
     full_shape = tuple(tsizes[t] for t in target_val_labels)
     val = jnp.broadcast_to(val, full_shape)
@@ -500,7 +503,9 @@ def product_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
     """Plan `A · B` for `A: w ← v`, `B: v ← u` from their patterns alone."""
     assert pa.in_shape == pb.out_shape, (pa, pb)
     if isinstance(pa, LinearPattern) and isinstance(pb, LinearPattern):
-        p = LinearPattern(pa.out_shape, pb.in_shape, pa.muls + pb.muls, pa.size + pb.size)
+        p = LinearPattern(
+            pa.out_shape, pb.in_shape, pa.muls + pb.muls, pa.size + pb.size
+        )
         return _settle(_ProductPlan(p, "linear-linear", 0))
     if isinstance(pa, LinearPattern):
         assert isinstance(pb, Pattern)
@@ -576,7 +581,9 @@ def _sparse_product_plan(pa: Pattern, pb: Pattern, a_val: bool, b_val: bool):
         find(na + label) for label in pb.labels
     }
     result = set(res_nodes)
-    factor = math.prod(size[c] for c in all_classes if c not in result and c not in carried)
+    factor = math.prod(
+        size[c] for c in all_classes if c not in result and c not in carried
+    )
     out_classes = sorted((c for c in result if c in carried), key=lambda c: canon[c])
     letters = {}
     for c in list(a_classes) + list(b_classes):
@@ -660,7 +667,7 @@ def _result_dtype(a, b):
 
 
 def product(a: Partial, b: Partial) -> tuple[Partial, int]:
-    """`A · B` for `A: w ← v`, `B: v ← u`; returns the product and its multiplications."""
+    """`A · B` for `A: w ← v`, `B: v ← u`; returns it and its multiplications."""
     a_val = not isinstance(a, SparseTensor) or a.val is not None
     b_val = not isinstance(b, SparseTensor) or b.val is not None
     plan = product_plan(a.pattern, b.pattern, a_val, b_val)

@@ -62,8 +62,8 @@ def _full(val, out):
     return jnp.broadcast_to(val, shape_of(out)).astype(out.dtype)
 
 
-# Direct formulas for the commonest primitives: `(primals, out, i, params) -> ∂out/∂x_i`.
-# They emit fewer operations than a probe; each follows JAX's own JVP rule.
+# Direct formulas for the commonest primitives (fewer operations than a probe),
+# `(primals, out, i, params) -> ∂out/∂x_i`, each following JAX's own JVP rule.
 def _integer_pow_derivative(primals, out, i, params):
     (x,), y = primals, params["y"]
     if y == 0:
@@ -75,9 +75,7 @@ def _integer_pow_derivative(primals, out, i, params):
 
 _formulas = {
     lax.mul_p: lambda p, out, i, _: _full(p[1 - i], out),
-    lax.div_p: lambda p, out, i, _: _full(
-        1 / p[1] if i == 0 else -(out / p[1]), out
-    ),
+    lax.div_p: lambda p, out, i, _: _full(1 / p[1] if i == 0 else -(out / p[1]), out),
     lax.sin_p: lambda p, out, i, _: jnp.cos(p[0]),
     lax.cos_p: lambda p, out, i, _: -jnp.sin(p[0]),
     lax.exp_p: lambda p, out, i, _: out,
@@ -112,12 +110,51 @@ def elementwise_rule_for(prim):
 
 
 _ELEMENTWISE = [
-    "exp", "exp2", "expm1", "log", "log1p", "sin", "cos", "tan", "asin", "acos",
-    "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "sqrt", "rsqrt", "cbrt",
-    "logistic", "erf", "erfc", "erf_inv", "abs", "integer_pow", "square", "lgamma",
-    "digamma", "polygamma", "igamma", "igammac", "bessel_i0e", "bessel_i1e", "zeta",
-    "regularized_incomplete_beta", "random_gamma_grad", "mul", "div", "pow", "max",
-    "min", "atan2", "rem", "clamp",
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log1p",
+    "sin",
+    "cos",
+    "tan",
+    "asin",
+    "acos",
+    "atan",
+    "sinh",
+    "cosh",
+    "tanh",
+    "asinh",
+    "acosh",
+    "atanh",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "logistic",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "abs",
+    "integer_pow",
+    "square",
+    "lgamma",
+    "digamma",
+    "polygamma",
+    "igamma",
+    "igammac",
+    "bessel_i0e",
+    "bessel_i1e",
+    "zeta",
+    "regularized_incomplete_beta",
+    "random_gamma_grad",
+    "mul",
+    "div",
+    "pow",
+    "max",
+    "min",
+    "atan2",
+    "rem",
+    "clamp",
 ]
 
 # Every elementwise primitive, for recognising elementwise custom-derivative calls.
@@ -185,11 +222,29 @@ def _select_n(primals, active, **params):
 elementwise_primitives.add(lax.select_n_p)
 
 register_zero(
-    lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p,
-    lax.floor_p, lax.ceil_p, lax.round_p, lax.sign_p, lax.is_finite_p,
+    lax.eq_p,
+    lax.ne_p,
+    lax.lt_p,
+    lax.le_p,
+    lax.gt_p,
+    lax.ge_p,
+    lax.floor_p,
+    lax.ceil_p,
+    lax.round_p,
+    lax.sign_p,
+    lax.is_finite_p,
     lax.stop_gradient_p if hasattr(lax, "stop_gradient_p") else None,
-    lax.iota_p, lax.argmax_p, lax.argmin_p, lax.and_p, lax.or_p, lax.not_p,
-    lax.xor_p, lax.population_count_p, lax.clz_p, lax.shift_left_p,
-    lax.shift_right_arithmetic_p, lax.shift_right_logical_p,
+    lax.iota_p,
+    lax.argmax_p,
+    lax.argmin_p,
+    lax.and_p,
+    lax.or_p,
+    lax.not_p,
+    lax.xor_p,
+    lax.population_count_p,
+    lax.clz_p,
+    lax.shift_left_p,
+    lax.shift_right_arithmetic_p,
+    lax.shift_right_logical_p,
     getattr(lax, "nextafter_p", None),
 )

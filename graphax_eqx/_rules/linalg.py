@@ -47,13 +47,23 @@ def _dot_general(primals, active, **params):
         labels = out_labels + [lhs_label(i) for i in range(lhs.ndim)]
         val_labels = [rhs_label(j) for j in range(rhs.ndim)]
         partials[(0, 0)] = from_labeled(
-            rhs.astype(out.dtype), val_labels, out_shape, shape_of(lhs), labels, out.dtype
+            rhs.astype(out.dtype),
+            val_labels,
+            out_shape,
+            shape_of(lhs),
+            labels,
+            out.dtype,
         )
     if active[1]:
         labels = out_labels + [rhs_label(j) for j in range(rhs.ndim)]
         val_labels = [lhs_label(i) for i in range(lhs.ndim)]
         partials[(0, 1)] = from_labeled(
-            lhs.astype(out.dtype), val_labels, out_shape, shape_of(rhs), labels, out.dtype
+            lhs.astype(out.dtype),
+            val_labels,
+            out_shape,
+            shape_of(rhs),
+            labels,
+            out.dtype,
         )
     return [out], partials
 
@@ -69,10 +79,22 @@ def _conv(primals, active, **params):
     partials = {}
     if active[0]:
         partials[(0, 0)] = _linear_in(
-            lax.conv_general_dilated_p, params, primals, 0, out_shape, out.dtype, muls=muls
+            lax.conv_general_dilated_p,
+            params,
+            primals,
+            0,
+            out_shape,
+            out.dtype,
+            muls=muls,
         )
     if active[1]:
         partials[(0, 1)] = _linear_in(
-            lax.conv_general_dilated_p, params, primals, 1, out_shape, out.dtype, muls=muls
+            lax.conv_general_dilated_p,
+            params,
+            primals,
+            1,
+            out_shape,
+            out.dtype,
+            muls=muls,
         )
     return [out], partials

@@ -7,7 +7,6 @@ ops tie every axis but the scanned one, which carries a small dense block.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -50,7 +49,9 @@ def _chooser_rule(prim):
         count = jnp.sum(mask, axis=axes, keepdims=True)
         val = mask / count
         labels, in_labels = _reduce_labels(in_shape, axes)
-        partial = from_labeled(val, in_labels, shape_of(out), in_shape, labels, out.dtype)
+        partial = from_labeled(
+            val, in_labels, shape_of(out), in_shape, labels, out.dtype
+        )
         return [out], {(0, 0): partial}
 
     return rule
@@ -74,9 +75,9 @@ def _reduce_prod(primals, active, **params):
     flat = moved.reshape(tuple(in_shape[i] for i in kept) + (-1,))
     ones = jnp.ones(flat.shape[:-1] + (1,), x.dtype)
     before = jnp.cumprod(jnp.concatenate([ones, flat[..., :-1]], axis=-1), axis=-1)
-    after = jnp.cumprod(
-        jnp.concatenate([ones, flat[..., :0:-1]], axis=-1), axis=-1
-    )[..., ::-1]
+    after = jnp.cumprod(jnp.concatenate([ones, flat[..., :0:-1]], axis=-1), axis=-1)[
+        ..., ::-1
+    ]
     val = (before * after).reshape(moved.shape)
     labels, in_labels = _reduce_labels(in_shape, axes)
     val_labels = [in_labels[i] for i in kept + list(axes)]
@@ -115,4 +116,3 @@ def _cumulative_rule(prim):
 
 for _prim in (lax.cumprod_p, lax.cummax_p, lax.cummin_p, lax.cumlogsumexp_p):
     register(_prim)(_cumulative_rule(_prim))
-

@@ -22,7 +22,7 @@ def _bind(prim, params, *args):
 
 
 def _linear_in(prim, params, args, i, out_shape, dtype, tfn=None, muls=0):
-    """The linear map `t ↦ prim(args with args[i] = t)`; other args must make it linear."""
+    """The linear map `t ↦ prim(args with args[i] = t)`; other args keep it linear."""
     args = list(args)
     in_shape = shape_of(args[i])
 
@@ -150,7 +150,9 @@ def _gather(primals, active, **params):
     if "fill_value" in linear_params:
         # Out-of-bounds entries are constants: zero derivative.
         linear_params["fill_value"] = 0
-    partial = _linear_in(lax.gather_p, linear_params, primals, 0, shape_of(out), out.dtype)
+    partial = _linear_in(
+        lax.gather_p, linear_params, primals, 0, shape_of(out), out.dtype
+    )
     return [out], {(0, 0): partial}
 
 
@@ -200,7 +202,9 @@ def _scatter_add(primals, active, **params):
         partials[(0, 0)] = diagonal(None, shape, out.dtype)
     if active[2]:
         args = [jnp.zeros_like(operand), indices, updates]
-        partials[(0, 2)] = _linear_in(lax.scatter_add_p, params, args, 2, shape, out.dtype)
+        partials[(0, 2)] = _linear_in(
+            lax.scatter_add_p, params, args, 2, shape, out.dtype
+        )
     return [out], partials
 
 
@@ -312,7 +316,7 @@ if jp.optimization_barrier_p is not None:
 
 @register(lax.sort_p)
 def _sort(primals, active, **params):
-    dim, num_keys = params["dimension"], params["num_keys"]
+    dim = params["dimension"]
     shape = shape_of(primals[0])
     iota = lax.broadcasted_iota(jnp.int32, shape, dim)
     *outs, perm = lax.sort_p.bind(*primals, iota, **params)
