@@ -434,7 +434,7 @@ def _broadcast_val(st: SparseTensor, target_val_labels: tuple[int, ...], target=
 
 def refine(st: SparseTensor, target: Pattern) -> SparseTensor:
     """Rewrite `st` in `target`, a pattern with fewer ties / more carried labels."""
-    if st.pattern == target:
+    if st.pattern == target and st.val is not None:
         return st
     val = _broadcast_val(st, target.val_labels, target)
     return SparseTensor(val, target, st.dtype)
