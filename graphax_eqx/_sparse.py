@@ -30,8 +30,63 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import sparse as jsparse
 from jaxtyping import Array
+
+
+#
+# Thin helpers on `lax` primitives: this code runs once per product at trace time, and
+# the jitted `jnp` wrappers cost far more to trace than the primitives they emit.
+#
+
+
+def _cast(x: Array, dtype) -> Array:
+    dtype = jnp.dtype(dtype)
+    return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+
+
+def _transpose(x: Array, perm) -> Array:
+    perm = tuple(perm)
+    return x if perm == tuple(range(x.ndim)) else lax.transpose(x, perm)
+
+
+def _eye_mask(shape, i1: int, i2: int) -> Array:
+    """A boolean array of `shape` that is true where axes `i1` and `i2` agree."""
+    return lax.eq(
+        lax.broadcasted_iota(np.int32, tuple(shape), i1),
+        lax.broadcasted_iota(np.int32, tuple(shape), i2),
+    )
+
+
+def _sum_axes(x: Array, axes) -> Array:
+    axes = tuple(axes)
+    if not axes:
+        return x
+    return lax.reduce(x, np.array(0, x.dtype), lax.add, axes)
+
+
+def einsum2(a: Array, sa: str, b: Array, sb: str, so: str, dtype) -> Array:
+    """`einsum(f"{sa},{sb}->{so}", a, b)` as one `dot_general` (plus sums/transpose)."""
+    a = _sum_axes(a, [i for i, c in enumerate(sa) if c not in so and c not in sb])
+    sa = "".join(c for c in sa if c in so or c in sb)
+    b = _sum_axes(b, [i for i, c in enumerate(sb) if c not in so and c not in sa])
+    sb = "".join(c for c in sb if c in so or c in sa)
+    batch = [c for c in sa if c in sb and c in so]
+    contract = [c for c in sa if c in sb and c not in so]
+    dims = (
+        (tuple(sa.index(c) for c in contract), tuple(sb.index(c) for c in contract)),
+        (tuple(sa.index(c) for c in batch), tuple(sb.index(c) for c in batch)),
+    )
+    out = lax.dot_general(a, b, dims, preferred_element_type=dtype)
+    order = batch + [c for c in sa if c not in sb] + [c for c in sb if c not in sa]
+    return _transpose(out, [order.index(c) for c in so])
+
+
+def einsum1(a: Array, sa: str, so: str) -> Array:
+    a = _sum_axes(a, [i for i, c in enumerate(sa) if c not in so])
+    sa = "".join(c for c in sa if c in so)
+    return _transpose(a, [sa.index(c) for c in so])
 
 
 #
@@ -260,10 +315,9 @@ def from_labeled(
     pattern, perm = make_pattern(out_shape, in_shape, tuple(labels), tuple(val_labels))
     if val is not None:
         dtype = val.dtype if dtype is None else dtype
-        val = jnp.asarray(val, dtype=dtype)
+        val = _cast(jnp.asarray(val), dtype)
         assert val.ndim == len(val_labels), (val.shape, val_labels)
-        if perm != tuple(range(len(perm))):
-            val = jnp.transpose(val, perm)
+        val = _transpose(val, perm)
         assert val.shape == pattern.val_shape, (val.shape, pattern)
     assert dtype is not None
     return SparseTensor(val, pattern, jnp.dtype(dtype))
@@ -390,45 +444,31 @@ def _broadcast_val(st: SparseTensor, target_val_labels: tuple[int, ...], target=
     """The value array of `st` laid out over `target_val_labels` of `target`.
 
     Missing axes are broadcast, and ties of `st` that `target` separates are
-    materialised with a diagonal mask (no multiplications).
+    materialised with a diagonal mask (a select, no multiplications).
     """
     p = st.pattern
     target = p if target is None else target
     mapping = _label_map(p, target)
     tsizes = target.sizes
-    if st.val is None:
-        val = jnp.ones((), st.dtype)
-    else:
-        val = st.val
+    val = np.ones((), st.dtype) if st.val is None else st.val
     # Each carried source label goes to the first target label on its axes.
     primary = [mapping[label][0] for label in p.val_labels]
     assert all(t in target_val_labels for t in primary), (p, target, target_val_labels)
     order = sorted(
         range(len(primary)), key=lambda i: target_val_labels.index(primary[i])
     )
-    if order != list(range(len(order))):
-        val = jnp.transpose(val, order)
-    present = {primary[i] for i in order}
-    expanded_shape = tuple(tsizes[t] if t in present else 1 for t in target_val_labels)
-    val = jnp.reshape(val, expanded_shape)
+    val = _transpose(jnp.asarray(val), order)
     full_shape = tuple(tsizes[t] for t in target_val_labels)
-    val = jnp.broadcast_to(val, full_shape)
-    for s, ts in mapping.items():
+    if tuple(val.shape) != full_shape:
+        positions = tuple(sorted(target_val_labels.index(t) for t in primary))
+        val = lax.broadcast_in_dim(val, full_shape, positions)
+    for ts in mapping.values():
         if len(ts) == 2:
             t1, t2 = ts
             assert t1 in target_val_labels and t2 in target_val_labels
             i1, i2 = target_val_labels.index(t1), target_val_labels.index(t2)
-            n = tsizes[t1]
-            mask_shape = [1] * len(full_shape)
-            mask_shape[i1] = n
-            eye = jnp.eye(n, dtype=bool)
-            if i1 < i2:
-                mask_shape[i2] = n
-                mask = eye.reshape(mask_shape)
-            else:
-                mask_shape[i2] = n
-                mask = eye.T.reshape(mask_shape)
-            val = jnp.where(mask, val, jnp.zeros((), val.dtype))
+            mask = _eye_mask(full_shape, i1, i2)
+            val = lax.select(mask, val, lax.full_like(val, 0))
     return val
 
 
@@ -615,25 +655,26 @@ def product_pattern(pa: AnyPattern, pb: AnyPattern, a_val=True, b_val=True):
 
 def _apply_leading(fn, x: Array, n: int) -> Array:
     """Apply `fn` to the leading `n` axes of `x`, vmapped over the trailing ones."""
-    rest = x.shape[n:]
+    rest = tuple(x.shape[n:])
     if not rest:
         return fn(x)
-    moved = jnp.moveaxis(x, tuple(range(n, x.ndim)), tuple(range(len(rest))))
-    flat = moved.reshape((math.prod(rest),) + x.shape[:n])
+    k = len(rest)
+    moved = _transpose(x, tuple(range(n, x.ndim)) + tuple(range(n)))
+    flat = lax.reshape(moved, (math.prod(rest),) + tuple(x.shape[:n]))
     out = jax.vmap(fn)(flat)
-    out = out.reshape(rest + out.shape[1:])
-    m = out.ndim - len(rest)
-    return jnp.moveaxis(out, tuple(range(len(rest))), tuple(range(m, m + len(rest))))
+    out = lax.reshape(out, rest + tuple(out.shape[1:]))
+    m = out.ndim - k
+    return _transpose(out, tuple(range(k, k + m)) + tuple(range(k)))
 
 
 def _apply_trailing(fn, x: Array, n: int) -> Array:
     """Apply `fn` to the trailing `n` axes of `x`, vmapped over the leading ones."""
-    lead = x.shape[: x.ndim - n]
+    lead = tuple(x.shape[: x.ndim - n])
     if not lead:
         return fn(x)
-    flat = x.reshape((math.prod(lead),) + x.shape[x.ndim - n :])
+    flat = lax.reshape(x, (math.prod(lead),) + tuple(x.shape[x.ndim - n :]))
     out = jax.vmap(fn)(flat)
-    return out.reshape(lead + out.shape[1:])
+    return lax.reshape(out, lead + tuple(out.shape[1:]))
 
 
 def matvec(st: SparseTensor, x: Array) -> Array:
@@ -653,13 +694,22 @@ def rmatvec(st: SparseTensor, y: Array) -> Array:
 
 
 def _align(val: Array, sub: str, out_sub: str) -> Array:
-    """`val` (axes named by `sub`) transposed and expanded to broadcast to `out_sub`."""
+    """`val`'s axes (named by `sub`) transposed into their order in `out_sub`."""
     present = [c for c in out_sub if c in sub]
-    perm = [sub.index(c) for c in present]
-    if perm != list(range(len(perm))):
-        val = jnp.transpose(val, perm)
-    shape = [val.shape[present.index(c)] if c in sub else 1 for c in out_sub]
-    return jnp.reshape(val, shape)
+    return _transpose(val, [sub.index(c) for c in present])
+
+
+def _multiply_aligned(operands, subs, out_sub: str, sizes: dict[str, int]) -> Array:
+    """Elementwise product of operands whose letters all appear in `out_sub`."""
+    shape = tuple(sizes[c] for c in out_sub)
+    val = None
+    for operand, sub in zip(operands, subs, strict=True):
+        x = _align(operand, sub, out_sub)
+        dims = tuple(out_sub.index(c) for c in out_sub if c in sub)
+        if tuple(x.shape) != shape:
+            x = lax.broadcast_in_dim(x, shape, dims)
+        val = x if val is None else lax.mul(val, x)
+    return val
 
 
 def _result_dtype(a, b):
@@ -704,14 +754,14 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
         val = refine(b, plan.refined).val
         assert val is not None
         val = _apply_leading(a.fn, val, len(b.out_shape))
-        return SparseTensor(val.astype(dtype), plan.pattern, dtype), plan.muls
+        return SparseTensor(_cast(val, dtype), plan.pattern, dtype), plan.muls
     if plan.kind == "apply-linear":
         assert isinstance(a, SparseTensor) and isinstance(b, LinearMap)
         assert plan.refined is not None
         val = refine(a, plan.refined).val
         assert val is not None
         val = _apply_trailing(b.tfn, val, len(a.in_shape))
-        return SparseTensor(val.astype(dtype), plan.pattern, dtype), plan.muls
+        return SparseTensor(_cast(val, dtype), plan.pattern, dtype), plan.muls
     assert isinstance(a, SparseTensor) and isinstance(b, SparseTensor)
     operands, subs = [], []
     if a_val:
@@ -723,19 +773,21 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
     if not operands:
         val = None if plan.factor == 1 else jnp.asarray(plan.factor, dtype)
     else:
-        expr = ",".join(subs) + "->" + plan.out_sub
-        if len(operands) == 1 and subs[0] == plan.out_sub:
-            val = operands[0]
+        operands = [_cast(x, dtype) for x in operands]
+        if len(operands) == 1:
+            val = einsum1(operands[0], subs[0], plan.out_sub)
         elif set("".join(subs)) <= set(plan.out_sub):
             # Nothing is summed: a broadcast multiply fuses better than a dot.
-            val = _align(operands[0], subs[0], plan.out_sub)
-            for operand, sub in zip(operands[1:], subs[1:], strict=True):
-                val = val * _align(operand, sub, plan.out_sub)
+            sizes = {}
+            for x, sub in zip(operands, subs, strict=True):
+                sizes.update(zip(sub, x.shape, strict=True))
+            val = _multiply_aligned(operands, subs, plan.out_sub, sizes)
         else:
-            val = jnp.einsum(expr, *operands, preferred_element_type=dtype)
-        val = val.astype(dtype)
+            a, b = operands
+            val = einsum2(a, subs[0], b, subs[1], plan.out_sub, dtype)
+        val = _cast(val, dtype)
         if plan.factor != 1:
-            val = val * jnp.asarray(plan.factor, dtype)
+            val = lax.mul(val, lax.full_like(val, plan.factor))
     return SparseTensor(val, plan.pattern, jnp.dtype(dtype)), plan.muls
 
 
@@ -809,7 +861,8 @@ def add(a: Partial, b: Partial) -> tuple[Partial, int]:
         return SparseTensor(jnp.asarray(2, dtype), target, jnp.dtype(dtype)), adds
     va = _broadcast_val(a, target.val_labels, target)
     vb = _broadcast_val(b, target.val_labels, target)
-    return SparseTensor((va + vb).astype(dtype), target, jnp.dtype(dtype)), adds
+    va, vb = _cast(jnp.asarray(va), dtype), _cast(jnp.asarray(vb), dtype)
+    return SparseTensor(lax.add(va, vb), target, jnp.dtype(dtype)), adds
 
 
 #
