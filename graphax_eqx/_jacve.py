@@ -254,13 +254,15 @@ def _block(edge, dtype, sparse):
 def _assemble(prep: _Prepared, graph: EdgeGraph, as_tuple: bool, sparse: bool):
     traced = prep.traced
     structure = traced.structure
-    inputs = iter(structure.inputs)
-    input_vid = {}
-    for k in prep.argnums:
+    # Input vertices are numbered in flat-leaf order, whatever the order of argnums.
+    diff_leaves = sorted(
+        j
+        for k in prep.argnums
         for j in range(
             prep.arg_offsets[k], prep.arg_offsets[k] + prep.arg_trees[k].num_leaves
-        ):
-            input_vid[j] = next(inputs)
+        )
+    )
+    input_vid = dict(zip(diff_leaves, structure.inputs, strict=True))
     per_output = []
     for o in range(traced.num_out):
         out_vid = structure.outputs[o]
