@@ -14,7 +14,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from ._jacve import jacve, value_and_jacve
+from ._jacve import _check_argnums, jacve, value_and_jacve
 
 
 _P = ParamSpec("_P")
@@ -64,21 +64,7 @@ def _resolve_argnums(
             "positional argument (the object that is differentiated); got none. "
             "Pass the differentiated object by position, not by keyword."
         )
-    resolved = []
-    for i in nums:
-        if not -num_args <= i < num_args:
-            raise ValueError(
-                f"`{api}` was given `argnums={argnums!r}`, but the function was "
-                f"called with only {num_args} positional argument(s). Differentiated "
-                "arguments must be passed by position."
-            )
-        resolved.append(i % num_args)
-    if len(set(resolved)) != len(resolved):
-        raise ValueError(
-            f"`{api}` was given `argnums={argnums!r}`, which names the same "
-            "argument more than once."
-        )
-    return tuple(resolved)
+    return _check_argnums(nums, num_args, api)
 
 
 def _split_output(api: str, out: Any) -> tuple[Any, Any]:

@@ -53,7 +53,10 @@ def _check_argnums(argnums: tuple[int, ...], nargs: int, name: str) -> tuple[int
             )
         out.append(a % nargs)
     if len(set(out)) != len(out):
-        raise ValueError(f"`{name}` got repeated entries in `argnums={argnums}`.")
+        raise ValueError(
+            f"`{name}` got `argnums={argnums}`, which names the same argument more "
+            "than once; list each argument to differentiate once."
+        )
     return tuple(out)
 
 

@@ -41,30 +41,16 @@ def _dot_general(primals, active, **params):
             return ("c", rc.index(j))
         return ("rf", j)
 
+    # ∂out/∂lhs: lhs free axes are pure ties and the value is rhs; and symmetrically.
     partials = {}
-    if active[0]:
-        # ∂out/∂lhs: lhs free axes are pure ties, the value is rhs.
-        labels = out_labels + [lhs_label(i) for i in range(lhs.ndim)]
-        val_labels = [rhs_label(j) for j in range(rhs.ndim)]
-        partials[(0, 0)] = from_labeled(
-            rhs.astype(out.dtype),
-            val_labels,
-            out_shape,
-            shape_of(lhs),
-            labels,
-            out.dtype,
-        )
-    if active[1]:
-        labels = out_labels + [rhs_label(j) for j in range(rhs.ndim)]
-        val_labels = [lhs_label(i) for i in range(lhs.ndim)]
-        partials[(0, 1)] = from_labeled(
-            lhs.astype(out.dtype),
-            val_labels,
-            out_shape,
-            shape_of(rhs),
-            labels,
-            out.dtype,
-        )
+    sides = [(lhs, lhs_label, rhs, rhs_label), (rhs, rhs_label, lhs, lhs_label)]
+    for i, (x, x_label, other, other_label) in enumerate(sides):
+        if active[i]:
+            labels = out_labels + [x_label(k) for k in range(x.ndim)]
+            val_labels = [other_label(k) for k in range(other.ndim)]
+            partials[(0, i)] = from_labeled(
+                other, val_labels, out_shape, shape_of(x), labels, out.dtype
+            )
     return [out], partials
 
 
