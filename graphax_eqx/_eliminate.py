@@ -17,6 +17,7 @@ from ._graph import EdgeGraph
 from ._sparse import (
     AnyPattern,
     LinearMap,
+    LinearPattern,
     SparseTensor,
     add,
     product,
@@ -65,8 +66,21 @@ def real_add(a, b):
 Mul = Callable[[Any, Any], tuple[Any, int]]
 
 
-def eliminate_vertex(graph: EdgeGraph, v: int, mul: Mul, plus: Mul) -> tuple[int, int]:
-    """Eliminate `v` in place; returns (multiplications, additions)."""
+def written(edge) -> int:
+    """Entries a pattern-only edge stores: what computing it writes to memory."""
+    p = edge.pattern
+    if isinstance(p, LinearPattern) or not edge.has_val:
+        return 0
+    return p.val_size
+
+
+def eliminate_vertex(
+    graph: EdgeGraph, v: int, mul: Mul, plus: Mul, traffic: list[int] | None = None
+) -> tuple[int, int]:
+    """Eliminate `v` in place; returns (multiplications, additions).
+
+    With `traffic` (pattern graphs only), adds the entries written by each new edge.
+    """
     ins = graph.pred.pop(v)
     outs = graph.succ.pop(v)
     for u in ins:
@@ -78,10 +92,14 @@ def eliminate_vertex(graph: EdgeGraph, v: int, mul: Mul, plus: Mul) -> tuple[int
         for w, e_vw in outs.items():
             edge, m = mul(e_vw, e_uv)
             muls += m
+            if traffic is not None:
+                traffic[0] += written(edge)
             old = graph.succ[u].get(w)
             if old is not None:
                 edge, a = plus(old, edge)
                 adds += a
+                if traffic is not None:
+                    traffic[0] += written(edge)
             graph.set(u, w, edge)
     return muls, adds
 
@@ -113,3 +131,20 @@ def simulate(graph: EdgeGraph, order: Sequence[int]) -> tuple[int, int, list[int
     """The counts of `order` on a pattern graph (the graph is not modified)."""
     g = graph.copy_with(lambda e: e)
     return run_order(g, order, sim_product, sim_add)
+
+
+def estimated_cost(graph: EdgeGraph, order: Sequence[int]) -> int:
+    """Multiplications + additions + entries written by `order`, from patterns alone.
+
+    The written entries stand for memory traffic: on small (e.g. scalar) programs an
+    order that emits fewer, smaller intermediate products runs faster even with a few
+    more multiplications.
+    """
+    g = graph.copy_with(lambda e: e)
+    traffic = [0]
+    muls = adds = 0
+    for v in order:
+        m, a = eliminate_vertex(g, v, sim_product, sim_add, traffic)
+        muls += m
+        adds += a
+    return muls + adds + traffic[0]

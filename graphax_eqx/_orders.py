@@ -5,7 +5,14 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from ._eliminate import eliminate_vertex, sim_add, sim_product, simulate, vertex_cost
+from ._eliminate import (
+    eliminate_vertex,
+    estimated_cost,
+    sim_add,
+    sim_product,
+    simulate,
+    vertex_cost,
+)
 from ._graph import EdgeGraph
 
 
@@ -129,6 +136,9 @@ def resolve(name_or_ids, sim_graph: EdgeGraph, structure) -> list[int]:
     if name_or_ids == "markowitz":
         return markowitz(sim_graph, inter)
     assert name_or_ids == "auto"
+    # Fewest multiplications; among equals, the least estimated memory traffic.
     candidates = [inter, inter[::-1], markowitz(sim_graph, inter)]
-    costs = [simulate(sim_graph, c)[0] for c in candidates]
-    return candidates[costs.index(min(costs))]
+    keys = [
+        (simulate(sim_graph, c)[0], estimated_cost(sim_graph, c)) for c in candidates
+    ]
+    return candidates[keys.index(min(keys))]
