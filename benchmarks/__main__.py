@@ -1,0 +1,6 @@
+import sys
+
+from .run import main
+
+
+sys.exit(main())
