@@ -638,6 +638,7 @@ def render_tasks(results: Sequence[TaskResult], settings: Settings) -> str:
         'of `jacve` with `order="auto"` over the faster of `jax.jacfwd` and '
         "`jax.jacrev` (median runtime ratio; above 1 means `jacve` is faster).\n"
     )
+    parts.append("![Speed-up per task and batch size](benchmarks_speedup.png)\n")
     parts.append(
         _table(
             [
