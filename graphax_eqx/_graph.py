@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from . import _jax_private as jp
 from ._rules import get_rule, zero_derivative
-from ._sparse import LinearMap, Partial, add, diagonal, should_materialise, to_sparse
+from ._sparse import LinearMap, add, diagonal, should_materialise, to_sparse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +270,3 @@ def evaluate(
         shape, dtype = structure.shape_of[o], structure.dtype_of[o]
         graph.set(src, o, diagonal(None, shape, dtype))
     return flat_out, graph, adds
-
-
-Edge = Partial

@@ -533,7 +533,7 @@ def make_graph(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable[...,
 
         ```python
         graph = gx.make_graph(f)(x)
-        print(graph)
+        summary = str(graph)  # one line per vertex, with its incoming edges
         order = list(reversed(graph.intermediates))
         ```
     """

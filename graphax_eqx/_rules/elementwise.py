@@ -167,11 +167,11 @@ for _name in _ELEMENTWISE:
         elementwise_primitives.add(_prim)
 
 
-def _linear_rule(scales):
-    """Rule for `out = sum_i scales[i] * operand_i` (scales None means 1)."""
+def _linear_rule(prim, scales):
+    """Rule for `out = sum_i scales[i] * operand_i` (a scale of None means 1)."""
 
     def rule(primals, active, **params):
-        out = rule.prim.bind(*primals, **params)
+        out = prim.bind(*primals, **params)
         out_shape = shape_of(out)
         partials = {}
         for i, a in enumerate(active):
@@ -193,14 +193,11 @@ for _prim, _scales in [
     (lax.neg_p, (-1,)),
     (lax.convert_element_type_p, (None,)),
     (lax.reduce_precision_p, (None,)),
-    (getattr(lax, "copy_p", None), (None,)),
+    (lax.copy_p, (None,)),
 ]:
-    if _prim is None:
-        continue
-    _rule = _linear_rule(_scales)
-    _rule.prim = _prim  # pyright: ignore
-    register(_prim)(_rule)
-    elementwise_primitives.add(_prim)
+    if _prim is not None:
+        register(_prim)(_linear_rule(_prim, _scales))
+        elementwise_primitives.add(_prim)
 
 
 @register(lax.select_n_p)

@@ -101,17 +101,6 @@ def _squeeze(primals, active, **params):
     return [out], {(0, 0): partial} if active[0] else {}
 
 
-if hasattr(lax, "expand_dims_p"):
-
-    @register(lax.expand_dims_p)  # pyright: ignore
-    def _expand_dims(primals, active, **params):
-        out = lax.expand_dims_p.bind(*primals, **params)  # pyright: ignore
-        in_shape, out_shape = shape_of(primals[0]), shape_of(out)
-        labels = _unit_reshape_labels(in_shape, out_shape)
-        partial = from_labeled(None, (), out_shape, in_shape, labels, out.dtype)
-        return [out], {(0, 0): partial} if active[0] else {}
-
-
 @register(lax.transpose_p)
 def _transpose(primals, active, **params):
     out = lax.transpose_p.bind(*primals, **params)
