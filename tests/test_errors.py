@@ -1,0 +1,135 @@
+"""Errors raised by `jacve` at its API boundary."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import graphax_eqx
+
+from .helpers import graph_of
+
+
+def _f(x):
+    return jnp.sin(jnp.exp(x)) * jnp.cos(x)
+
+
+def _x():
+    return jnp.linspace(0.1, 0.9, 3)
+
+
+@pytest.mark.parametrize(
+    "arg, pattern",
+    [
+        (jnp.arange(3), r"int"),
+        (jnp.arange(3, dtype=jnp.int32), r"int32|int"),
+        (np.arange(3, dtype=np.int8), r"int8|int"),
+        (jnp.array([True, False]), r"bool"),
+        (jnp.array([1.0 + 2.0j, 0.5j]), r"complex"),
+        (3, r"int"),
+    ],
+    ids=["int64", "int32", "numpy_int8", "bool", "complex", "python_int"],
+)
+def test_non_float_argument_type_error(arg, pattern):
+    with pytest.raises(TypeError, match=pattern):
+        graphax_eqx.jacve(lambda x: x * 2)(arg)
+
+
+def test_non_float_leaf_in_pytree_type_error():
+    tree = {"w": jnp.ones(2), "n": jnp.arange(2)}
+    with pytest.raises(TypeError, match=r"int"):
+        graphax_eqx.jacve(lambda t: t["w"] * t["n"])(tree)
+
+
+def test_non_float_second_argnum_type_error():
+    f = lambda x, n: x * n
+    with pytest.raises(TypeError, match=r"int"):
+        graphax_eqx.jacve(f, argnums=(0, 1))(jnp.ones(2), jnp.arange(2))
+    # Left undifferentiated it is fine.
+    graphax_eqx.jacve(f, argnums=0)(jnp.ones(2), jnp.arange(2))
+
+
+def test_value_and_jacve_non_float_type_error():
+    with pytest.raises(TypeError, match=r"int"):
+        graphax_eqx.value_and_jacve(lambda x: x * 2)(jnp.arange(3))
+
+
+@pytest.mark.parametrize("argnums", [2, 5, (0, 2), (3,)])
+def test_argnums_out_of_range(argnums):
+    f = lambda x, y: x * y
+    with pytest.raises(ValueError, match=r"argnums|[25]"):
+        graphax_eqx.jacve(f, argnums=argnums)(jnp.ones(2), jnp.ones(2))
+
+
+@pytest.mark.parametrize("order", ["forwards", "sideways", "", "markowitz2"])
+def test_bad_order_string(order):
+    with pytest.raises(ValueError, match=r"order"):
+        graphax_eqx.jacve(_f, order=order)(_x())
+
+
+def _intermediates():
+    graph = graph_of(_f, (_x(),))
+    ids = [int(v) for v in graph.intermediates]
+    assert len(ids) >= 3
+    return graph, ids
+
+
+def test_explicit_order_valid():
+    _, ids = _intermediates()
+    graphax_eqx.jacve(_f, order=ids[::-1])(_x())
+    graphax_eqx.jacve(_f, order=tuple(ids))(_x())
+    graphax_eqx.jacve(_f, order=np.asarray(ids))(_x())
+
+
+def test_explicit_order_missing_id():
+    _, ids = _intermediates()
+    missing = ids[1]
+    order = [v for v in ids if v != missing]
+    with pytest.raises(ValueError, match=rf"\b{missing}\b"):
+        graphax_eqx.jacve(_f, order=order)(_x())
+
+
+def test_explicit_order_duplicate_id():
+    _, ids = _intermediates()
+    duplicate = ids[0]
+    order = ids + [duplicate]
+    with pytest.raises(ValueError, match=rf"\b{duplicate}\b"):
+        graphax_eqx.jacve(_f, order=order)(_x())
+
+
+def test_explicit_order_unknown_id():
+    _, ids = _intermediates()
+    unknown = 9999
+    with pytest.raises(ValueError, match=rf"\b{unknown}\b"):
+        graphax_eqx.jacve(_f, order=ids + [unknown])(_x())
+
+
+def test_explicit_order_several_problems_all_named():
+    _, ids = _intermediates()
+    order = ids[1:] + [ids[1], 777]
+    with pytest.raises(ValueError) as info:
+        graphax_eqx.jacve(_f, order=order)(_x())
+    message = str(info.value)
+    for offending in (ids[0], ids[1], 777):
+        assert str(offending) in message
+
+
+def test_explicit_order_output_vertex():
+    graph, ids = _intermediates()
+    outputs = [int(v.id) for v in graph.vertices if v.kind == "output"]
+    assert outputs
+    with pytest.raises(ValueError, match=rf"\b{outputs[0]}\b"):
+        graphax_eqx.jacve(_f, order=ids + [outputs[0]])(_x())
+
+
+def test_explicit_order_input_vertex():
+    graph, ids = _intermediates()
+    inputs = [int(v.id) for v in graph.vertices if v.kind == "input"]
+    assert inputs and all(v < 0 for v in inputs)
+    with pytest.raises(ValueError, match=rf"{inputs[0]}\b"):
+        graphax_eqx.jacve(_f, order=ids + [inputs[0]])(_x())
+
+
+def test_integer_output_type_error():
+    # As with `jax.jacrev`, only real floating outputs have a Jacobian.
+    with pytest.raises(TypeError, match=r"int"):
+        graphax_eqx.jacve(lambda x: jnp.argmax(x))(_x())

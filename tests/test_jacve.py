@@ -1,0 +1,221 @@
+"""The public interface of `jacve`, `value_and_jacve` and `make_graph`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import graphax_eqx
+
+from .helpers import ORDERS, assert_tree_matches, check_jacve, graph_of
+
+
+def _f(x, y):
+    return {"p": jnp.sin(x) * y, "q": (jnp.sum(x * x), jnp.exp(y))}
+
+
+def _args():
+    return jnp.array([0.1, -0.4, 0.7]), jnp.array([1.5, -0.2, 0.3])
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("argnums", [0, 1, (0,), (1, 0), (0, 1)])
+def test_structure_like_jacrev(order, argnums):
+    check_jacve(_f, _args(), order, argnums=argnums)
+
+
+def test_default_order_is_auto():
+    x, y = _args()
+    default = graphax_eqx.jacve(_f)(x, y)
+    auto = graphax_eqx.jacve(_f, order="auto")(x, y)
+    assert_tree_matches(default, auto)
+    assert_tree_matches(default, jax.jacrev(_f)(x, y))
+
+
+@pytest.mark.parametrize("alias, canonical", [("forward", "fwd"), ("reverse", "rev")])
+def test_order_aliases(alias, canonical):
+    x, y = _args()
+    a = graphax_eqx.jacve(_f, order=alias, argnums=(0, 1))(x, y)
+    b = graphax_eqx.jacve(_f, order=canonical, argnums=(0, 1))(x, y)
+    assert_tree_matches(a, b)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_python_scalar_argument(order):
+    result = check_jacve(lambda x: jnp.sin(x) * x, (0.5,), order)
+    assert result.shape == ()
+    assert float(result) == pytest.approx(np.cos(0.5) * 0.5 + np.sin(0.5))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_numpy_argument(order):
+    x = np.array([0.2, -0.3, 0.9])
+    check_jacve(lambda v: jnp.tanh(v) @ v, (x,), order)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_dtype_preserved(dtype):
+    x = jnp.array([0.2, -0.3, 0.9], dtype)
+    result = graphax_eqx.jacve(lambda v: jnp.sin(v) * 2.0)(x)
+    assert result.dtype == dtype
+    assert result.shape == (3, 3)
+
+
+def test_leaf_shapes_are_out_then_in():
+    x = jnp.ones((2, 3))
+    y = jnp.ones((4,))
+    f = lambda a, b: (jnp.sum(a, axis=1), jnp.outer(a[0], b))
+    result = graphax_eqx.jacve(f, argnums=(0, 1))(x, y)
+    assert result[0][0].shape == (2, 2, 3)
+    assert result[0][1].shape == (2, 4)
+    assert result[1][0].shape == (3, 4, 2, 3)
+    assert result[1][1].shape == (3, 4, 4)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_has_aux(order):
+    def f(x):
+        h = jnp.cos(x)
+        return jnp.sum(h * x), {"h": h, "n": 3}
+
+    x = jnp.array([0.3, 0.6])
+    references = {
+        "fwd": jax.jacfwd(f, has_aux=True)(x),
+        "rev": jax.jacrev(f, has_aux=True)(x),
+    }
+    jac, aux = check_jacve(f, (x,), order, has_aux=True, references=references)
+    assert aux["n"] == 3
+    assert_tree_matches(aux["h"], jnp.cos(x))
+
+
+def test_count_ops_false_returns_jacobian_only():
+    x = jnp.array([0.3, 0.6])
+    result = graphax_eqx.jacve(jnp.sin, count_ops=False)(x)
+    assert isinstance(result, jax.Array)
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "auto"])
+def test_value_and_jacve(order):
+    x, y = _args()
+    value, jac = graphax_eqx.value_and_jacve(_f, order=order, argnums=(0, 1))(x, y)
+    assert_tree_matches(value, _f(x, y))
+    assert_tree_matches(jac, jax.jacrev(_f, argnums=(0, 1))(x, y))
+
+
+def test_value_and_jacve_has_aux():
+    def f(x):
+        return jnp.sin(x) * x, {"x2": x * 2.0}
+
+    x = jnp.array([0.3, -0.6, 1.1])
+    (value, aux), jac = graphax_eqx.value_and_jacve(f, has_aux=True)(x)
+    expected_jac, expected_aux = jax.jacrev(f, has_aux=True)(x)
+    assert_tree_matches(value, f(x)[0])
+    assert_tree_matches(aux, expected_aux)
+    assert_tree_matches(jac, expected_jac)
+
+
+def test_value_and_jacve_default_argnums():
+    x = jnp.array([0.3, -0.6])
+    value, jac = graphax_eqx.value_and_jacve(lambda a, b: a * b)(x, 2.0)
+    assert_tree_matches(value, x * 2.0)
+    assert_tree_matches(jac, jax.jacrev(lambda a, b: a * b)(x, 2.0))
+
+
+# --------------------------------------------------------------------------------------
+# make_graph
+# --------------------------------------------------------------------------------------
+
+
+def _name(primitive):
+    return getattr(primitive, "name", str(primitive))
+
+
+def test_make_graph_vertices():
+    def f(x):
+        return jnp.sin(x) * 2.0
+
+    x = jnp.ones((3,), jnp.float32)
+    graph = graphax_eqx.make_graph(f)(x)
+    kinds = {v.kind for v in graph.vertices}
+    assert kinds == {"input", "intermediate", "output"}
+    by_kind = {k: [v for v in graph.vertices if v.kind == k] for k in kinds}
+    assert [v.id for v in by_kind["input"]] == [-1]
+    intermediates = sorted(v.id for v in by_kind["intermediate"])
+    assert intermediates == [1, 2]
+    assert tuple(graph.intermediates) == (1, 2)
+    assert [v.id for v in by_kind["output"]] == [3]
+    assert [
+        _name(v.primitive) for v in sorted(by_kind["intermediate"], key=lambda v: v.id)
+    ] == ["sin", "mul"]
+    for v in graph.vertices:
+        assert tuple(v.shape) == (3,)
+        assert np.dtype(v.dtype) == np.float32
+
+
+def test_make_graph_ids_and_edges():
+    def f(x, y):
+        a = jnp.sin(x)
+        b = a * y
+        return b, jnp.cos(a)
+
+    graph = graphax_eqx.make_graph(f, argnums=(0, 1))(jnp.ones(2), jnp.ones(2))
+    ids = {v.id for v in graph.vertices}
+    assert len(ids) == len(graph.vertices)
+    kinds = {v.id: v.kind for v in graph.vertices}
+    inter = list(graph.intermediates)
+    assert inter == sorted(inter)
+    assert inter == list(range(1, len(inter) + 1))
+    outputs = sorted(i for i, k in kinds.items() if k == "output")
+    assert outputs == list(range(len(inter) + 1, len(inter) + 1 + len(outputs)))
+    assert len(outputs) == 2
+    inputs = [i for i, k in kinds.items() if k == "input"]
+    assert sorted(inputs) == [-2, -1]
+    assert graph.edges
+    for edge in graph.edges:
+        assert edge.src in ids and edge.dst in ids
+        assert kinds[edge.src] != "output"
+        assert kinds[edge.dst] != "input"
+    # Every output is reached from an intermediate by one edge.
+    dsts = {edge.dst for edge in graph.edges}
+    assert set(outputs) <= dsts
+
+
+def test_make_graph_str():
+    graph = graphax_eqx.make_graph(lambda x: jnp.exp(jnp.sin(x)))(jnp.ones(3))
+    text = str(graph)
+    assert isinstance(text, str) and text
+    assert "sin" in text and "exp" in text
+
+
+def test_make_graph_prunes_constant_work():
+    c = jnp.array([0.5, 0.25])
+
+    def f(x):
+        return jnp.sin(x) + jnp.cos(c)
+
+    graph = graphax_eqx.make_graph(f)(jnp.ones(2))
+    names = {_name(v.primitive) for v in graph.vertices if v.kind == "intermediate"}
+    assert "sin" in names
+    assert "cos" not in names
+
+
+def test_make_graph_inlines_jit():
+    inner = jax.jit(lambda v: jnp.sin(v) * v)
+    graph = graphax_eqx.make_graph(lambda x: jax.jit(inner)(x) + 1.0)(jnp.ones(2))
+    names = {_name(v.primitive) for v in graph.vertices if v.kind == "intermediate"}
+    assert "sin" in names
+    assert not names & {"pjit", "jit", "closed_call"}
+
+
+def test_make_graph_intermediates_match_jacve_orders():
+    def f(x):
+        return jnp.tanh(jnp.sin(x) @ x) * x
+
+    x = jnp.array([0.3, -0.1, 0.8])
+    graph = graph_of(f, (x,))
+    n = len(graph.intermediates)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        order = [int(v) for v in rng.permutation(graph.intermediates)]
+        assert len(order) == n
+        check_jacve(f, (x,), order)

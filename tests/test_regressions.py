@@ -1,0 +1,263 @@
+"""Regression tests for defects of the original graphax implementation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import graphax_eqx
+
+from .helpers import ORDERS, assert_tree_matches, check_jacve, resolve_order
+
+
+# --------------------------------------------------------------------------------------
+# (1) A variable used twice by one equation.
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_x_times_x_is_two_x(order):
+    x = jnp.array([0.5, -1.5, 2.0])
+    result = check_jacve(lambda v: v * v, (x,), order)
+    assert_tree_matches(result, jnp.diag(2.0 * x))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize(
+    "fun",
+    [
+        lambda v: lax.mul(v, v),
+        lambda v: v + v,
+        lambda v: v * v * v,
+        lambda v: jnp.dot(v, v),
+        lambda v: jnp.maximum(v, v),
+        lambda v: jnp.arctan2(v, v),
+        lambda v: jnp.concatenate([v, v]),
+    ],
+    ids=["lax_mul", "add", "cube", "dot", "max", "atan2", "concatenate"],
+)
+def test_operand_used_twice(fun, order):
+    check_jacve(fun, (jnp.array([0.5, -1.5, 2.0]),), order)
+
+
+# --------------------------------------------------------------------------------------
+# (2) Python floats outside jit; pytree arguments.
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_python_float_argument(order):
+    f = lambda x: 3.0 * x**2 + jnp.sin(x)
+    order = resolve_order(order, f, (2.0,))
+    result = graphax_eqx.jacve(f, order=order)(2.0)
+    expected = 12.0 + np.cos(2.0)
+    assert float(result) == pytest.approx(expected, rel=1e-6)
+    assert float(result) != 0.0
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_two_python_float_arguments(order):
+    f = lambda x, y: x * y + jnp.exp(x)
+    order = resolve_order(order, f, (1.5, -0.5), argnums=(0, 1))
+    dx, dy = graphax_eqx.jacve(f, order=order, argnums=(0, 1))(1.5, -0.5)
+    assert float(dx) == pytest.approx(-0.5 + np.exp(1.5), rel=1e-6)
+    assert float(dy) == pytest.approx(1.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_pytree_argument(order):
+    params = {"w": jnp.array([[0.5, -0.2], [0.1, 0.3]]), "b": (jnp.array(0.7), 2.0)}
+
+    def f(p, x):
+        return jnp.tanh(p["w"] @ x + p["b"][0]) * p["b"][1]
+
+    check_jacve(f, (params, jnp.array([1.0, -2.0])), order, argnums=(0, 1))
+
+
+# --------------------------------------------------------------------------------------
+# (3) Individual rules that were wrong or missing.
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_asinh_derivative(order):
+    x = jnp.array([-2.0, -0.3, 0.0, 0.4, 3.0])
+    result = check_jacve(jnp.arcsinh, (x,), order)
+    assert_tree_matches(result, jnp.diag(1.0 / jnp.sqrt(1.0 + x**2)))
+
+
+_STRUCTURAL = {
+    "select_n": (
+        lambda x, y: lax.select_n(x > 0, x * 2.0, jnp.sin(y)),
+        (jnp.array([0.5, -1.0, 2.0]), jnp.array([0.1, 0.2, 0.3])),
+        (0, 1),
+    ),
+    "concatenate_input": (
+        lambda x: jnp.concatenate([x, jnp.sin(x)]),
+        (jnp.array([0.5, -1.0, 2.0]),),
+        0,
+    ),
+    "int_index": (lambda x: x[2] * x, (jnp.array([0.5, -1.0, 2.0, 0.3]),), 0),
+    "int_array_index": (
+        lambda x: x[jnp.array([3, 0, 3])],
+        (jnp.array([0.5, -1.0, 2.0, 0.3]),),
+        0,
+    ),
+    "split": (
+        lambda x: jnp.split(jnp.exp(x), 3),
+        (jnp.array([0.5, -1.0, 2.0, 0.3, 0.1, 0.2]),),
+        0,
+    ),
+    "squeeze": (lambda x: jnp.squeeze(jnp.sin(x)), (jnp.array([[0.5, -1.0]]),), 0),
+}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", sorted(_STRUCTURAL))
+def test_structural_rules(name, order):
+    fun, args, argnums = _STRUCTURAL[name]
+    result = check_jacve(fun, args, order, argnums=argnums)
+    leaves = jax.tree_util.tree_leaves(result)
+    assert any(bool(jnp.any(leaf != 0)) for leaf in leaves)
+
+
+# --------------------------------------------------------------------------------------
+# (4) Control flow, custom rules and index-moving primitives.
+# --------------------------------------------------------------------------------------
+
+
+@jax.custom_jvp
+def _clipped_identity(x):
+    return x
+
+
+@_clipped_identity.defjvp
+def _clipped_identity_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return x, jnp.clip(x, 0.0, 1.0) * t
+
+
+@jax.custom_vjp
+def _halved_grad(x):
+    return jnp.sin(x)
+
+
+def _halved_grad_fwd(x):
+    return jnp.sin(x), x
+
+
+def _halved_grad_bwd(x, g):
+    return (0.5 * jnp.cos(x) * g,)
+
+
+_halved_grad.defvjp(_halved_grad_fwd, _halved_grad_bwd)
+
+
+def _scan(x):
+    return lax.scan(lambda c, a: (c * jnp.sin(a) + a, c), jnp.sum(x), x)
+
+
+def _while(x):
+    return lax.while_loop(lambda s: s[0] < 4, lambda s: (s[0] + 1, s[1] * x), (0, x))[1]
+
+
+def _cond(x):
+    return lax.cond(x[0] > 0, lambda v: v * v, lambda v: jnp.exp(v), x)
+
+
+_X = jnp.array([0.5, -1.0, 2.0, 0.3])
+
+_FEATURES = {
+    "scan": (_scan, (_X,), 0, ("fwd", "rev")),
+    "while": (_while, (_X,), 0, ("fwd",)),
+    "cond": (_cond, (_X,), 0, ("fwd", "rev")),
+    "custom_jvp": (lambda x: _clipped_identity(x * 2.0), (_X,), 0, ("fwd", "rev")),
+    "custom_vjp": (lambda x: _halved_grad(x) * x, (_X,), 0, ("rev",)),
+    "gather": (lambda x: x[jnp.array([1, 1, 3])] * 2.0, (_X,), 0, ("fwd", "rev")),
+    "scatter": (
+        lambda x, y: x.at[jnp.array([0, 2])].add(y),
+        (_X, jnp.array([1.0, 2.0])),
+        (0, 1),
+        ("fwd", "rev"),
+    ),
+    "dynamic_slice": (
+        lambda x: lax.dynamic_slice(jnp.sin(x), (1,), (2,)),
+        (_X,),
+        0,
+        ("fwd", "rev"),
+    ),
+    "cumsum": (lambda x: jnp.cumsum(x * x), (_X,), 0, ("fwd", "rev")),
+    "sort": (lambda x: jnp.sort(x) * jnp.arange(4.0), (_X,), 0, ("fwd", "rev")),
+    "conv": (
+        lambda x, k: lax.conv(x[None, None], k[None, None], (1,), "SAME")[0, 0],
+        (_X, jnp.array([0.2, -0.5, 1.0])),
+        (0, 1),
+        ("fwd", "rev"),
+    ),
+    "pad": (lambda x: lax.pad(x, 1.5, [(1, 2, 1)]), (_X,), 0, ("fwd", "rev")),
+}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", sorted(_FEATURES))
+def test_supported_features(name, order):
+    fun, args, argnums, refs = _FEATURES[name]
+    check_jacve(fun, args, order, argnums=argnums, refs=refs)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_nested_jit_nonzero(order):
+    inner = jax.jit(lambda v: jnp.sin(v) * v)
+    outer = jax.jit(lambda v: inner(v) + jax.jit(jnp.exp)(v))
+    result = check_jacve(outer, (_X,), order)
+    assert bool(jnp.all(jnp.diag(result) != 0))
+
+
+# --------------------------------------------------------------------------------------
+# (5) has_aux follows JAX: (jacobian, aux).
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_has_aux_returns_jacobian_then_aux(order):
+    def f(x):
+        y = jnp.sin(x)
+        return y * 2.0, {"y": y, "total": jnp.sum(x)}
+
+    order = resolve_order(order, f, (_X,), has_aux=True)
+    result = graphax_eqx.jacve(f, order=order, has_aux=True)(_X)
+    assert isinstance(result, tuple) and len(result) == 2
+    jac, aux = result
+    expected_jac, expected_aux = jax.jacrev(f, has_aux=True)(_X)
+    assert_tree_matches(jac, expected_jac)
+    assert_tree_matches(aux, expected_aux)
+
+
+# --------------------------------------------------------------------------------------
+# (6) SparseTensor results cross jax.jit.
+# --------------------------------------------------------------------------------------
+
+
+def _is_sparse(x):
+    return isinstance(x, graphax_eqx.SparseTensor)
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "auto"])
+def test_sparse_result_through_jit(order):
+    def f(x, w):
+        return jnp.sin(x) * 2.0, w @ x
+
+    w = jnp.arange(8.0).reshape(2, 4) / 8.0
+
+    @jax.jit
+    def jac(x, w):
+        return graphax_eqx.jacve(
+            f, order=order, argnums=(0, 1), sparse_representation=True
+        )(x, w)
+
+    result = jac(_X, w)
+    leaves = jax.tree_util.tree_leaves(result, is_leaf=_is_sparse)
+    assert leaves and all(_is_sparse(leaf) for leaf in leaves)
+    dense = jax.tree_util.tree_map(lambda s: s.dense(), result, is_leaf=_is_sparse)
+    assert_tree_matches(dense, jax.jacrev(f, argnums=(0, 1))(_X, w))

@@ -1,0 +1,139 @@
+"""Public behaviour of `SparseTensor`, as returned with `sparse_representation=True`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import sparse as jsparse
+
+import graphax_eqx
+
+from .helpers import assert_tree_matches
+
+
+def _is_sparse(x):
+    return isinstance(x, graphax_eqx.SparseTensor)
+
+
+_W = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (3, 4)))
+_X = jnp.array([0.3, -0.8, 1.1, 0.5])
+_Y = jnp.array([-0.2, 0.4, 0.9, -1.3])
+
+# name -> (fun, args, argnums)
+_CASES = {
+    "sin": (jnp.sin, (_X,), 0),
+    "add": (lambda x, y: x + y, (_X, _Y), (0, 1)),
+    "matvec": (lambda w, x: w @ x, (_W, _X), (0, 1)),
+    "reduce_sum": (jnp.sum, (_X,), 0),
+    "reduce_sum_axis": (lambda w: jnp.sum(w, axis=0), (_W,), 0),
+    "broadcast": (lambda x: jnp.broadcast_to(x, (3, 4)), (_X,), 0),
+    "chain": (lambda w, x: jnp.tanh(w @ jnp.sin(x)), (_W, _X), (0, 1)),
+}
+
+
+def _sparse_jacobian(name, order="auto"):
+    fun, args, argnums = _CASES[name]
+    result = graphax_eqx.jacve(
+        fun, order=order, argnums=argnums, sparse_representation=True
+    )(*args)
+    expected = jax.jacrev(fun, argnums=argnums)(*args)
+    return result, expected
+
+
+def _pairs(result, expected):
+    sparse_leaves, sparse_def = jax.tree_util.tree_flatten(result, is_leaf=_is_sparse)
+    dense_leaves, dense_def = jax.tree_util.tree_flatten(expected)
+    assert sparse_def == dense_def
+    assert all(_is_sparse(leaf) for leaf in sparse_leaves)
+    return list(zip(sparse_leaves, dense_leaves, strict=True))
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "auto"])
+@pytest.mark.parametrize("name", sorted(_CASES))
+def test_dense_matches_jacrev(name, order):
+    result, expected = _sparse_jacobian(name, order)
+    for tensor, dense in _pairs(result, expected):
+        assert_tree_matches(tensor.dense(), dense)
+
+
+@pytest.mark.parametrize("name", sorted(_CASES))
+def test_to_bcoo(name):
+    result, expected = _sparse_jacobian(name)
+    for tensor, dense in _pairs(result, expected):
+        bcoo = tensor.to_bcoo()
+        assert isinstance(bcoo, jsparse.BCOO)
+        assert tuple(bcoo.shape) == dense.shape
+        assert_tree_matches(bcoo.todense(), dense)
+
+
+@pytest.mark.parametrize("name", sorted(_CASES))
+def test_shape(name):
+    result, expected = _sparse_jacobian(name)
+    for tensor, dense in _pairs(result, expected):
+        assert tuple(tensor.shape) == dense.shape
+
+
+@pytest.mark.parametrize("name", sorted(_CASES))
+def test_repr_mentions_shape(name):
+    result, _ = _sparse_jacobian(name)
+    for tensor in jax.tree_util.tree_leaves(result, is_leaf=_is_sparse):
+        text = repr(tensor)
+        assert isinstance(text, str) and text
+        for size in tensor.shape:
+            assert str(size) in text, f"{text!r} does not mention {tensor.shape}"
+
+
+@pytest.mark.parametrize("name", sorted(_CASES))
+def test_is_pytree_of_arrays(name):
+    result, _ = _sparse_jacobian(name)
+    for tensor in jax.tree_util.tree_leaves(result, is_leaf=_is_sparse):
+        leaves, treedef = jax.tree_util.tree_flatten(tensor)
+        assert all(isinstance(leaf, jax.Array) for leaf in leaves)
+        rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+        assert _is_sparse(rebuilt)
+        assert_tree_matches(rebuilt.dense(), tensor.dense())
+
+
+def test_sin_stores_no_more_than_a_diagonal():
+    result, _ = _sparse_jacobian("sin")
+    stored = sum(leaf.size for leaf in jax.tree_util.tree_leaves(result))
+    assert stored <= _X.size
+
+
+@pytest.mark.parametrize("name", sorted(_CASES))
+def test_jit_round_trip(name):
+    result, expected = _sparse_jacobian(name)
+    through = jax.jit(lambda t: t)(result)
+    for tensor, dense in _pairs(through, expected):
+        assert_tree_matches(tensor.dense(), dense)
+    densified = jax.jit(
+        lambda t: jax.tree_util.tree_map(lambda s: s.dense(), t, is_leaf=_is_sparse)
+    )(result)
+    assert_tree_matches(densified, expected)
+
+
+def test_jit_returning_sparse():
+    fun, args, argnums = _CASES["chain"]
+    jac = jax.jit(graphax_eqx.jacve(fun, argnums=argnums, sparse_representation=True))
+    result = jac(*args)
+    for tensor, dense in _pairs(result, jax.jacrev(fun, argnums=argnums)(*args)):
+        assert_tree_matches(tensor.dense(), dense)
+
+
+def test_dtype_float32():
+    x = _X.astype(jnp.float32)
+    result = graphax_eqx.jacve(jnp.sin, sparse_representation=True)(x)
+    assert result.dense().dtype == jnp.float32
+    assert result.to_bcoo().todense().dtype == jnp.float32
+
+
+def test_sparse_with_has_aux():
+    def f(x):
+        y = jnp.sin(x)
+        return y * _Y, {"y": y}
+
+    jac, aux = graphax_eqx.jacve(f, has_aux=True, sparse_representation=True)(_X)
+    expected_jac, expected_aux = jax.jacrev(f, has_aux=True)(_X)
+    assert _is_sparse(jac)
+    assert_tree_matches(jac.dense(), expected_jac)
+    assert_tree_matches(aux, expected_aux)
