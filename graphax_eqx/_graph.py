@@ -123,25 +123,29 @@ class Structure:
     dtype_of: dict[int, Any]
 
 
-def analyse(program: Program, diff_mask: Sequence[bool]) -> Structure:
-    """Number the vertices: active (depend on a differentiated input) and needed."""
+def analyse(
+    program: Program, diff_mask: Sequence[bool], num_diff_out: int | None = None
+) -> Structure:
+    """Number the vertices: active (depend on a differentiated input) and needed.
+
+    Only the first `num_diff_out` outputs are differentiated (the rest are auxiliary).
+    """
     avals = program.avals
+    if num_diff_out is None:
+        num_diff_out = len(program.outvars)
     active: set[int] = set()
     for var, d in zip(program.invars, diff_mask, strict=True):
         if d:
             active.add(var)
-    producer: dict[int, Eqn] = {}
     for eqn in program.eqns:
-        for v in eqn.outvars:
-            producer[v] = eqn
         if eqn.prim in zero_derivative:
             continue
         if any(isinstance(a, int) and a in active for a in eqn.invars):
             for v in eqn.outvars:
-                if _is_float_dtype(avals[v][1]):
+                if jnp.issubdtype(avals[v][1], jnp.inexact):
                     active.add(v)
     needed: set[int] = set()
-    for atom in program.outvars:
+    for atom in program.outvars[:num_diff_out]:
         if isinstance(atom, int) and atom in active:
             needed.add(atom)
     for eqn in reversed(program.eqns):
@@ -149,6 +153,16 @@ def analyse(program: Program, diff_mask: Sequence[bool]) -> Structure:
             for a in eqn.invars:
                 if isinstance(a, int) and a in active:
                     needed.add(a)
+    for eqn in program.eqns:
+        for v in eqn.outvars:
+            if v in needed and not _is_float_dtype(avals[v][1]):
+                raise TypeError(
+                    "`jacve` cannot yet differentiate through complex intermediate "
+                    f"values: `{eqn.prim}` produces a {avals[v][1]} value that "
+                    "depends on the differentiated inputs and reaches an output. "
+                    "Write the computation with real and imaginary parts as separate "
+                    "real arrays, or use `jax.jacrev` for this function."
+                )
     vid: dict[int, int] = {}
     inputs = []
     k = 0
@@ -172,8 +186,8 @@ def analyse(program: Program, diff_mask: Sequence[bool]) -> Structure:
     outputs: list[int | None] = []
     output_sources = {}
     m = n
-    for atom in program.outvars:
-        if isinstance(atom, int) and atom in needed:
+    for k, atom in enumerate(program.outvars):
+        if k < num_diff_out and isinstance(atom, int) and atom in needed:
             m += 1
             outputs.append(m)
             output_sources[m] = vid[atom]

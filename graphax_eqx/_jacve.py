@@ -148,7 +148,7 @@ def _trace(fun, treedef, leaves, diff_mask, has_aux, name) -> tuple[_Traced, boo
     ]
     closed = jax.make_jaxpr(flat_fun)(*specs)
     program = inline(closed)
-    structure = analyse(program, diff_mask)
+    structure = analyse(program, diff_mask, store["num_out"])
     cacheable = not any(isinstance(c, jax.core.Tracer) for c in closed.consts)
     traced = _Traced(
         program,
@@ -512,7 +512,9 @@ def _describe(edge) -> str:
     return repr(edge)
 
 
-def make_graph(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable[..., Graph]:
+def make_graph(
+    fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable[..., Graph]:
     """The computational graph [`graphax_eqx.jacve`][] would eliminate.
 
     Nothing is computed: the graph is built abstractly (`jax.eval_shape`). Use it to
@@ -522,6 +524,9 @@ def make_graph(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable[...,
 
     - `fun`: the function, as for [`graphax_eqx.jacve`][].
     - `argnums`: which positional arguments are differentiated.
+    - `has_aux`: as for [`graphax_eqx.jacve`][]: `fun` returns `(output, aux)` and
+        only `output` is differentiated, so work that feeds only `aux` is not part
+        of the graph.
 
     **Returns:**
 
@@ -540,7 +545,7 @@ def make_graph(fun: Callable, argnums: int | Sequence[int] = 0) -> Callable[...,
     argnums_t, _ = _normalise_argnums(argnums)
 
     def build(*args, **kwargs) -> Graph:
-        prep = _prepare(fun, {}, args, kwargs, argnums_t, False, "make_graph")
+        prep = _prepare(fun, {}, args, kwargs, argnums_t, has_aux, "make_graph")
         traced = prep.traced
         structure = traced.structure
         captured = {}

@@ -182,7 +182,11 @@ def graph_of(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
 ) -> Any:
-    """The `make_graph` graph of `fun` (of its first output when `has_aux`)."""
+    """The `make_graph` graph of `fun` (of its first output when `has_aux`).
+
+    With `has_aux` the auxiliary data is not differentiated, so work that only feeds
+    it is no part of the Jacobian's graph.
+    """
     if has_aux:
         main = lambda *a: fun(*a)[0]
     else:

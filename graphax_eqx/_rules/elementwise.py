@@ -57,6 +57,7 @@ def _probe(prim, primals, i, params):
 
 def _full(val, out):
     """`val` as an out-shaped array, or left a scalar when it is one."""
+    val = jnp.asarray(val)  # literals arrive as Python / NumPy scalars
     if jnp.ndim(val) == 0 or shape_of(val) == shape_of(out):
         return val.astype(out.dtype)
     return jnp.broadcast_to(val, shape_of(out)).astype(out.dtype)
