@@ -44,7 +44,11 @@ def _random_partial(rng, out_shape, in_shape, key):
     else:
         val = jax.random.normal(key, tuple(sizes[lab] for lab in carried))
     return from_labeled(
-        val, tuple(carried) if val is not None else (), out_shape, in_shape, labels,
+        val,
+        tuple(carried) if val is not None else (),
+        out_shape,
+        in_shape,
+        labels,
         jnp.float64,
     )
 
@@ -68,7 +72,8 @@ def test_product_and_sum_match_dense(seed):
     nw, nv = len(w), len(v)
     ad, bd = a.dense(), b.dense()
     letters = "abcdefghijkl"
-    sw, sv, su = letters[:nw], letters[nw : nw + nv], letters[nw + nv : nw + nv + len(u)]
+    sw, sv = letters[:nw], letters[nw : nw + nv]
+    su = letters[nw + nv : nw + nv + len(u)]
     expected = jnp.einsum(f"{sw}{sv},{sv}{su}->{sw}{su}", ad, bd)
     assert jnp.allclose(to_sparse(c).dense(), expected, atol=1e-10)
     # The pattern-only plan agrees with the real product.
@@ -94,13 +99,17 @@ def test_linear_maps_compose_with_partials(seed):
     perm = jnp.asarray(rng.permutation(n))
     lin = linear_map(lambda t: t[perm] * 2.0, (n,), (n,), jnp.float64)
     lin_dense = to_sparse(lin).dense()
-    a = _random_partial(rng, (3,), (n,), keys[0]) if seed % 2 else _random_partial(
-        rng, (n,), (n,), keys[0]
+    a = (
+        _random_partial(rng, (3,), (n,), keys[0])
+        if seed % 2
+        else _random_partial(rng, (n,), (n,), keys[0])
     )
     c, _ = product(a, lin)
     assert jnp.allclose(to_sparse(c).dense(), a.dense() @ lin_dense, atol=1e-10)
-    b = _random_partial(rng, (n,), (2,), keys[1]) if seed % 2 else _random_partial(
-        rng, (n,), (n,), keys[1]
+    b = (
+        _random_partial(rng, (n,), (2,), keys[1])
+        if seed % 2
+        else _random_partial(rng, (n,), (n,), keys[1])
     )
     c, _ = product(lin, b)
     assert jnp.allclose(to_sparse(c).dense(), lin_dense @ b.dense(), atol=1e-10)
