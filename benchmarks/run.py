@@ -621,6 +621,16 @@ def _method_cell(result: TaskResult, batch: int, method: str, value: str) -> str
     return value
 
 
+def _per_batch_tables(results, settings: Settings, cell) -> list[str]:
+    """One `### Batch N` table per batch size, a row per task, a column per method."""
+    parts = []
+    for batch in settings.batch_sizes:
+        parts.append(f"\n### Batch {batch}\n")
+        rows = [[r.task.name] + [cell(r, batch, m) for m in METHODS] for r in results]
+        parts.append(_table(["task", *METHODS], rows))
+    return parts
+
+
 def render_tasks(results: Sequence[TaskResult], settings: Settings) -> str:
     parts = []
     summary_rows = []
@@ -688,18 +698,13 @@ def render_tasks(results: Sequence[TaskResult], settings: Settings) -> str:
         "`jax.jacrev`, so no trace is reused; the runtime measurements call the same "
         "jitted function, which reuses this executable.\n"
     )
-    for batch in settings.batch_sizes:
-        parts.append(f"\n### Batch {batch}\n")
-        rows = []
-        for r in results:
-            rows.append(
-                [r.task.name]
-                + [
-                    _method_cell(r, batch, m, _fmt_first_call(r, batch, m))
-                    for m in METHODS
-                ]
-            )
-        parts.append(_table(["task", *METHODS], rows))
+    parts.extend(
+        _per_batch_tables(
+            results,
+            settings,
+            lambda r, batch, m: _method_cell(r, batch, m, _fmt_first_call(r, batch, m)),
+        )
+    )
 
     parts.append("\n## Memory\n")
     parts.append(
@@ -707,20 +712,17 @@ def render_tasks(results: Sequence[TaskResult], settings: Settings) -> str:
         "`jax.jit(...).lower(...).compile().memory_analysis()` (n/a where the backend "
         "does not report it). Inputs are not included.\n"
     )
-    for batch in settings.batch_sizes:
-        parts.append(f"\n### Batch {batch}\n")
-        rows = []
-        for r in results:
-            rows.append(
-                [r.task.name]
-                + [
-                    _method_cell(r, batch, m, _fmt_bytes(r.memory.get((batch, m))))
-                    if (batch, m) in r.memory or (batch, m) in r.failed
-                    else "—"
-                    for m in METHODS
-                ]
-            )
-        parts.append(_table(["task", *METHODS], rows))
+    parts.extend(
+        _per_batch_tables(
+            results,
+            settings,
+            lambda r, batch, m: (
+                _method_cell(r, batch, m, _fmt_bytes(r.memory.get((batch, m))))
+                if (batch, m) in r.memory or (batch, m) in r.failed
+                else "—"
+            ),
+        )
+    )
 
     parts.append("\n## Agreement with `jax.jacrev`\n")
     parts.append(

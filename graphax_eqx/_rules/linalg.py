@@ -63,24 +63,15 @@ def _conv(primals, active, **params):
     # Each output entry is a dot product over one kernel's input window.
     muls = math.prod(out_shape) * math.prod(rhs.shape) // rhs.shape[rhs_spec[0]]
     partials = {}
-    if active[0]:
-        partials[(0, 0)] = _linear_in(
-            lax.conv_general_dilated_p,
-            params,
-            primals,
-            0,
-            out_shape,
-            out.dtype,
-            muls=muls,
-        )
-    if active[1]:
-        partials[(0, 1)] = _linear_in(
-            lax.conv_general_dilated_p,
-            params,
-            primals,
-            1,
-            out_shape,
-            out.dtype,
-            muls=muls,
-        )
+    for i in (0, 1):
+        if active[i]:
+            partials[(0, i)] = _linear_in(
+                lax.conv_general_dilated_p,
+                params,
+                primals,
+                i,
+                out_shape,
+                out.dtype,
+                muls=muls,
+            )
     return [out], partials
