@@ -7,6 +7,7 @@ core engine, and rebuild the results so that every Jacobian has the shape of the
 object it was taken with respect to (`None` wherever a leaf was not differentiated).
 """
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, ParamSpec, overload
 
@@ -76,6 +77,34 @@ def _split_output(api: str, out: Any) -> tuple[Any, Any]:
     return out[0], out[1]
 
 
+# The core engine of each (function, argument structure, static parts, flags), so that
+# repeated calls outside `jit` reuse its trace instead of building a new one. Bounded:
+# entries hold the function and the static parts of its arguments.
+_ENGINES: OrderedDict = OrderedDict()
+_MAX_ENGINES = 128
+
+
+def _engine_key(fun, nums, diff_treedefs, diff_sizes, dynamic_treedef, static, flags):
+    """A hashable key for the engine cache, or None when a static part is unhashable."""
+    static_leaves, static_treedef = jtu.tree_flatten(static)
+    key = (
+        fun,
+        nums,
+        tuple(diff_treedefs),
+        tuple(diff_sizes),
+        dynamic_treedef,
+        static_treedef,
+        # Types too: `1`, `1.0` and `True` are equal and hash alike.
+        tuple((type(leaf), leaf) for leaf in static_leaves),
+        flags,
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def _differentiate(
     api: str,
     fun: Callable,
@@ -107,30 +136,56 @@ def _differentiate(
     dynamic, static = eqx.partition((args_list, kwargs), eqx.is_array)
     dynamic_leaves, dynamic_treedef = jtu.tree_flatten(dynamic)
 
-    # Structures only known once `fun` has run; filled in when the engine traces.
-    traced: dict[str, Any] = {}
+    flags = (api, order, has_aux, count_ops, sparse_representation, with_value)
+    key = _engine_key(
+        fun, nums, diff_treedefs, diff_sizes, dynamic_treedef, static, flags
+    )
+    entry = _ENGINES.get(key) if key is not None else None
+    if entry is None:
+        # Structures only known once `fun` has run; filled in when the engine traces.
+        traced: dict[str, Any] = {}
 
-    def flat_fun(flat_diff, flat_dynamic):
-        call_args, call_kwargs = eqx.combine(
-            jtu.tree_unflatten(dynamic_treedef, flat_dynamic), static
-        )
-        call_args = list(call_args)
-        start = 0
-        for i, treedef, size in zip(nums, diff_treedefs, diff_sizes, strict=True):
-            diff = jtu.tree_unflatten(treedef, flat_diff[start : start + size])
-            call_args[i] = eqx.combine(diff, call_args[i])
-            start += size
-        out = fun(*call_args, **call_kwargs)
-        if has_aux:
-            out, aux = _split_output(api, out)
-        out_leaves, traced["out"] = jtu.tree_flatten(out)
-        if not has_aux:
-            return out_leaves
-        # `aux` may hold arbitrary Python objects; only its arrays cross the engine.
-        aux_dynamic, aux_static = eqx.partition(aux, eqx.is_array)
-        aux_leaves, aux_treedef = jtu.tree_flatten(aux_dynamic)
-        traced["aux"] = (aux_treedef, aux_static)
-        return out_leaves, aux_leaves
+        def flat_fun(flat_diff, flat_dynamic):
+            call_args, call_kwargs = eqx.combine(
+                jtu.tree_unflatten(dynamic_treedef, flat_dynamic), static
+            )
+            call_args = list(call_args)
+            start = 0
+            for i, treedef, size in zip(nums, diff_treedefs, diff_sizes, strict=True):
+                diff = jtu.tree_unflatten(treedef, flat_diff[start : start + size])
+                call_args[i] = eqx.combine(diff, call_args[i])
+                start += size
+            out = fun(*call_args, **call_kwargs)
+            if has_aux:
+                out, aux = _split_output(api, out)
+            out_leaves, traced["out"] = jtu.tree_flatten(out)
+            if not has_aux:
+                return out_leaves
+            # `aux` may hold arbitrary Python objects; only its arrays cross the engine.
+            aux_dynamic, aux_static = eqx.partition(aux, eqx.is_array)
+            aux_leaves, aux_treedef = jtu.tree_flatten(aux_dynamic)
+            traced["aux"] = (aux_treedef, aux_static)
+            return out_leaves, aux_leaves
+
+        if with_value:
+            engine = value_and_jacve(flat_fun, order=order, argnums=0, has_aux=has_aux)
+        else:
+            engine = jacve(
+                flat_fun,
+                order=order,
+                argnums=0,
+                has_aux=has_aux,
+                count_ops=count_ops,
+                sparse_representation=sparse_representation,
+            )
+        entry = (flat_fun, engine, traced)
+        if key is not None:
+            _ENGINES[key] = entry
+            if len(_ENGINES) > _MAX_ENGINES:
+                _ENGINES.popitem(last=False)
+    elif key is not None:
+        _ENGINES.move_to_end(key)
+    flat_fun, engine, traced = entry
 
     counts = None
     if not diff_leaves:
@@ -141,19 +196,10 @@ def _differentiate(
         rows = [[] for _ in out_leaves]
         counts = {"num_muls": 0, "num_adds": 0, "order": [], "order_counts": []}
     elif with_value:
-        value, rows = value_and_jacve(
-            flat_fun, order=order, argnums=0, has_aux=has_aux
-        )(diff_leaves, dynamic_leaves)
+        value, rows = engine(diff_leaves, dynamic_leaves)
         out_leaves, aux_leaves = value if has_aux else (value, None)
     else:
-        result = jacve(
-            flat_fun,
-            order=order,
-            argnums=0,
-            has_aux=has_aux,
-            count_ops=count_ops,
-            sparse_representation=sparse_representation,
-        )(diff_leaves, dynamic_leaves)
+        result = engine(diff_leaves, dynamic_leaves)
         if count_ops:
             result, counts = result
         rows, aux_leaves = result if has_aux else (result, None)

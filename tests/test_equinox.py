@@ -483,3 +483,22 @@ def test_optax_training_matches_filter_value_and_grad():
     assert values[-1] < values[0]
     assert tree_allclose(values, expected_values)
     assert tree_allclose(trained, expected)
+
+
+def test_no_retrace_outside_jit():
+    """Eager repeated calls reuse the trace; a changed static argument retraces."""
+    calls = []
+    model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.PRNGKey(0))
+
+    def loss(m, x, scale):
+        calls.append(None)
+        return jnp.sum(m(x)) * scale
+
+    x = jnp.ones(3)
+    grads = gx.filter_jacve(loss)(model, x, 2)
+    gx.filter_jacve(loss)(model, x + 1.0, 2)
+    assert len(calls) == 1
+    assert eqx.tree_equal(grads, eqx.filter_grad(loss)(model, x, 2), rtol=1e-5)
+    calls.clear()
+    gx.filter_jacve(loss)(model, x, 3.0)
+    assert len(calls) == 1  # the static `scale` changed (and its type): retraced
