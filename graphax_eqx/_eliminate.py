@@ -133,12 +133,12 @@ def simulate(graph: EdgeGraph, order: Sequence[int]) -> tuple[int, int, list[int
     return run_order(g, order, sim_product, sim_add)
 
 
-def estimated_cost(graph: EdgeGraph, order: Sequence[int]) -> int:
-    """Multiplications + additions + entries written by `order`, from patterns alone.
+def estimated_cost(graph: EdgeGraph, order: Sequence[int]) -> tuple[int, int]:
+    """`(multiplications, estimated cost)` of `order`, from patterns alone.
 
-    The written entries stand for memory traffic: on small (e.g. scalar) programs an
-    order that emits fewer, smaller intermediate products runs faster even with a few
-    more multiplications.
+    The cost is multiplications + additions + entries written; the written entries
+    stand for memory traffic, which on small (e.g. scalar) programs matters as much as
+    arithmetic.
     """
     g = graph.copy_with(lambda e: e)
     traffic = [0]
@@ -147,4 +147,4 @@ def estimated_cost(graph: EdgeGraph, order: Sequence[int]) -> int:
         m, a = eliminate_vertex(g, v, sim_product, sim_add, traffic)
         muls += m
         adds += a
-    return muls + adds + traffic[0]
+    return muls, muls + adds + traffic[0]

@@ -10,7 +10,6 @@ from ._eliminate import (
     estimated_cost,
     sim_add,
     sim_product,
-    simulate,
     vertex_cost,
 )
 from ._graph import EdgeGraph
@@ -138,7 +137,5 @@ def resolve(name_or_ids, sim_graph: EdgeGraph, structure) -> list[int]:
     assert name_or_ids == "auto"
     # Fewest multiplications; among equals, the least estimated memory traffic.
     candidates = [inter, inter[::-1], markowitz(sim_graph, inter)]
-    keys = [
-        (simulate(sim_graph, c)[0], estimated_cost(sim_graph, c)) for c in candidates
-    ]
+    keys = [estimated_cost(sim_graph, c) for c in candidates]
     return candidates[keys.index(min(keys))]

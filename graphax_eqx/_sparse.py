@@ -181,12 +181,6 @@ def dense_pattern(out_shape: tuple[int, ...], in_shape: tuple[int, ...]) -> Patt
     return Pattern(tuple(out_shape), tuple(in_shape), tuple(range(n)), tuple(range(n)))
 
 
-def identity_pattern(shape: tuple[int, ...]) -> Pattern:
-    n = len(shape)
-    labels = tuple(range(n)) + tuple(range(n))
-    return Pattern(tuple(shape), tuple(shape), labels, ())
-
-
 #
 # SparseTensor
 #
@@ -645,12 +639,6 @@ def _sparse_product_plan(pa: Pattern, pb: Pattern, a_val: bool, b_val: bool):
     if factor != 1:
         muls += out_size
     return _ProductPlan(pattern, "einsum", muls, a_sub, b_sub, out_sub, factor)
-
-
-def product_pattern(pa: AnyPattern, pb: AnyPattern, a_val=True, b_val=True):
-    """The pattern and multiplication count of `A · B`, from the patterns alone."""
-    plan = product_plan(pa, pb, a_val, b_val)
-    return plan.pattern, plan.muls
 
 
 def _apply_leading(fn, x: Array, n: int) -> Array:

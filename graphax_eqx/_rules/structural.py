@@ -17,10 +17,6 @@ from .._sparse import diagonal, from_labeled, linear_map
 from ._base import register, shape_of
 
 
-def _bind(prim, params, *args):
-    return prim.bind(*args, **params)
-
-
 def _linear_in(prim, params, args, i, out_shape, dtype, tfn=None, muls=0):
     """The linear map `t ↦ prim(args with args[i] = t)`; other args keep it linear."""
     args = list(args)
