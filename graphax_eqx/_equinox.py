@@ -7,7 +7,6 @@ core engine, and rebuild the results so that every Jacobian has the shape of the
 object it was taken with respect to (`None` wherever a leaf was not differentiated).
 """
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, ParamSpec, overload
 
@@ -15,7 +14,8 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from ._jacve import _check_argnums, jacve, value_and_jacve
+from ._jacve import _check_argnums, _normalise_argnums, jacve, value_and_jacve
+from ._orders import normalise_order
 
 
 _P = ParamSpec("_P")
@@ -33,12 +33,10 @@ class _Sentinel:
 sentinel: Any = _Sentinel()
 
 
-def _normalise_order(order: Order) -> Order:
-    # Explicit orders become tuples so that they are hashable: the wrappers keep the
-    # order as static metadata, and `eqx.filter_jit` hashes static metadata.
-    if isinstance(order, str):
-        return order
-    return tuple(order)
+def _normalise_order(order: Order, api: str) -> Order:
+    # Checked early, and explicit orders become tuples so that they are hashable: the
+    # wrappers keep the order as static metadata, which `eqx.filter_jit` hashes.
+    return normalise_order(order, api)
 
 
 def _refuse_kwargs(api: str, kwargs: dict[str, Any]) -> None:
@@ -77,34 +75,6 @@ def _split_output(api: str, out: Any) -> tuple[Any, Any]:
     return out[0], out[1]
 
 
-# The core engine of each (function, argument structure, static parts, flags), so that
-# repeated calls outside `jit` reuse its trace instead of building a new one. Bounded:
-# entries hold the function and the static parts of its arguments.
-_ENGINES: OrderedDict = OrderedDict()
-_MAX_ENGINES = 128
-
-
-def _engine_key(fun, nums, diff_treedefs, diff_sizes, dynamic_treedef, static, flags):
-    """A hashable key for the engine cache, or None when a static part is unhashable."""
-    static_leaves, static_treedef = jtu.tree_flatten(static)
-    key = (
-        fun,
-        nums,
-        tuple(diff_treedefs),
-        tuple(diff_sizes),
-        dynamic_treedef,
-        static_treedef,
-        # Types too: `1`, `1.0` and `True` are equal and hash alike.
-        tuple((type(leaf), leaf) for leaf in static_leaves),
-        flags,
-    )
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
 def _differentiate(
     api: str,
     fun: Callable,
@@ -136,56 +106,45 @@ def _differentiate(
     dynamic, static = eqx.partition((args_list, kwargs), eqx.is_array)
     dynamic_leaves, dynamic_treedef = jtu.tree_flatten(dynamic)
 
-    flags = (api, order, has_aux, count_ops, sparse_representation, with_value)
-    key = _engine_key(
-        fun, nums, diff_treedefs, diff_sizes, dynamic_treedef, static, flags
-    )
-    entry = _ENGINES.get(key) if key is not None else None
-    if entry is None:
-        # Structures only known once `fun` has run; filled in when the engine traces.
-        traced: dict[str, Any] = {}
+    # A new engine each call: like `jax.jacrev`, every call traces `fun` anew, so
+    # values it closes over are read afresh. The engine caches the analysed graph by
+    # its structure, so repeated calls do not analyse it again. `traced` receives
+    # structures only known once `fun` has run.
+    traced: dict[str, Any] = {}
 
-        def flat_fun(flat_diff, flat_dynamic):
-            call_args, call_kwargs = eqx.combine(
-                jtu.tree_unflatten(dynamic_treedef, flat_dynamic), static
-            )
-            call_args = list(call_args)
-            start = 0
-            for i, treedef, size in zip(nums, diff_treedefs, diff_sizes, strict=True):
-                diff = jtu.tree_unflatten(treedef, flat_diff[start : start + size])
-                call_args[i] = eqx.combine(diff, call_args[i])
-                start += size
-            out = fun(*call_args, **call_kwargs)
-            if has_aux:
-                out, aux = _split_output(api, out)
-            out_leaves, traced["out"] = jtu.tree_flatten(out)
-            if not has_aux:
-                return out_leaves
-            # `aux` may hold arbitrary Python objects; only its arrays cross the engine.
-            aux_dynamic, aux_static = eqx.partition(aux, eqx.is_array)
-            aux_leaves, aux_treedef = jtu.tree_flatten(aux_dynamic)
-            traced["aux"] = (aux_treedef, aux_static)
-            return out_leaves, aux_leaves
+    def flat_fun(flat_diff, flat_dynamic):
+        call_args, call_kwargs = eqx.combine(
+            jtu.tree_unflatten(dynamic_treedef, flat_dynamic), static
+        )
+        call_args = list(call_args)
+        start = 0
+        for i, treedef, size in zip(nums, diff_treedefs, diff_sizes, strict=True):
+            diff = jtu.tree_unflatten(treedef, flat_diff[start : start + size])
+            call_args[i] = eqx.combine(diff, call_args[i])
+            start += size
+        out = fun(*call_args, **call_kwargs)
+        if has_aux:
+            out, aux = _split_output(api, out)
+        out_leaves, traced["out"] = jtu.tree_flatten(out)
+        if not has_aux:
+            return out_leaves
+        # `aux` may hold arbitrary Python objects; only its arrays cross the engine.
+        aux_dynamic, aux_static = eqx.partition(aux, eqx.is_array)
+        aux_leaves, aux_treedef = jtu.tree_flatten(aux_dynamic)
+        traced["aux"] = (aux_treedef, aux_static)
+        return out_leaves, aux_leaves
 
-        if with_value:
-            engine = value_and_jacve(flat_fun, order=order, argnums=0, has_aux=has_aux)
-        else:
-            engine = jacve(
-                flat_fun,
-                order=order,
-                argnums=0,
-                has_aux=has_aux,
-                count_ops=count_ops,
-                sparse_representation=sparse_representation,
-            )
-        entry = (flat_fun, engine, traced)
-        if key is not None:
-            _ENGINES[key] = entry
-            if len(_ENGINES) > _MAX_ENGINES:
-                _ENGINES.popitem(last=False)
-    elif key is not None:
-        _ENGINES.move_to_end(key)
-    flat_fun, engine, traced = entry
+    if with_value:
+        engine = value_and_jacve(flat_fun, order=order, argnums=0, has_aux=has_aux)
+    else:
+        engine = jacve(
+            flat_fun,
+            order=order,
+            argnums=0,
+            has_aux=has_aux,
+            count_ops=count_ops,
+            sparse_representation=sparse_representation,
+        )
 
     counts = None
     if not diff_leaves:
@@ -415,7 +374,7 @@ def filter_jacve(
         fun,
         "filter_jacve",
         0,
-        _normalise_order(order),
+        _normalise_order(order, "filter_jacve"),
         has_aux,
         count_ops,
         sparse_representation,
@@ -509,7 +468,9 @@ def filter_value_and_jacve(
             return filter_value_and_jacve(fun, order=order, has_aux=has_aux)
 
         return decorator
-    wrapper = _ValueAndJacveWrapper(fun, _normalise_order(order), has_aux)
+    wrapper = _ValueAndJacveWrapper(
+        fun, _normalise_order(order, "filter_value_and_jacve"), has_aux
+    )
     return eqx.module_update_wrapper(wrapper)
 
 
@@ -569,20 +530,13 @@ def eqx_jacve(
         d_x.shape  # (2, 3)
         ```
     """
-    if isinstance(argnums, int):
-        nums: int | tuple[int, ...] = argnums
-    else:
-        nums = tuple(argnums)
-        if not all(isinstance(i, int) for i in nums) or len(nums) == 0:
-            raise TypeError(
-                "`eqx_jacve` requires `argnums` to be an integer or a non-empty "
-                f"sequence of integers; got `argnums={argnums!r}`."
-            )
+    flat_nums, as_tuple = _normalise_argnums(argnums, "eqx_jacve")
+    nums: int | tuple[int, ...] = flat_nums if as_tuple else flat_nums[0]
     wrapper = _JacveWrapper(
         fun,
         "eqx_jacve",
         nums,
-        _normalise_order(order),
+        _normalise_order(order, "eqx_jacve"),
         has_aux,
         count_ops,
         sparse_representation,

@@ -41,12 +41,20 @@ class Eqn:
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """A jaxpr with every call-like equation inlined; variables are integers."""
+    """A jaxpr with every call-like equation inlined; variables are integers.
+
+    The arrays the function closed over (the jaxpr's consts, at every nesting level)
+    are variables too, `constvars`, bound to `consts` when the program runs. So two
+    traces of the same computation over different closed-over values have equal
+    structure, and only `consts` differs.
+    """
 
     eqns: tuple[Eqn, ...]
     invars: tuple[int, ...]
     outvars: tuple[Atom, ...]
     avals: dict[int, tuple[tuple[int, ...], Any]]  # id -> (shape, dtype)
+    constvars: tuple[int, ...] = ()
+    consts: tuple[Any, ...] = ()
 
 
 def inline(closed_jaxpr) -> Program:
@@ -54,11 +62,22 @@ def inline(closed_jaxpr) -> Program:
     counter = iter(range(1 << 62))
     avals: dict[int, tuple[tuple[int, ...], Any]] = {}
     eqns: list[Eqn] = []
+    constvars: list[int] = []
+    consts: list[Any] = []
 
     def new_var(var) -> int:
         vid = next(counter)
         avals[vid] = (tuple(int(s) for s in var.aval.shape), var.aval.dtype)
         return vid
+
+    def hoist(vars_, values) -> list[Atom]:
+        atoms: list[Atom] = []
+        for var, value in zip(vars_, values, strict=True):
+            vid = new_var(var)
+            constvars.append(vid)
+            consts.append(value)
+            atoms.append(vid)
+        return atoms
 
     def visit(jaxpr, const_atoms: Sequence[Atom], in_atoms: Sequence[Atom]):
         env: dict[Any, Atom] = {}
@@ -77,7 +96,7 @@ def inline(closed_jaxpr) -> Program:
             inner = jp.inner_jaxpr(eqn)
             if inner is not None:
                 sub_jaxpr, sub_consts = inner
-                outs = visit(sub_jaxpr, [Lit(c) for c in sub_consts], ins)
+                outs = visit(sub_jaxpr, hoist(sub_jaxpr.constvars, sub_consts), ins)
                 for var, atom in zip(eqn.outvars, outs, strict=True):
                     if not isinstance(var, jp.DropVar):
                         env[var] = atom
@@ -93,8 +112,16 @@ def inline(closed_jaxpr) -> Program:
 
     jaxpr = closed_jaxpr.jaxpr
     invars = [new_var(v) for v in jaxpr.invars]
-    outvars = visit(jaxpr, [Lit(c) for c in closed_jaxpr.consts], invars)
-    return Program(tuple(eqns), tuple(invars), tuple(outvars), avals)
+    const_atoms = hoist(jaxpr.constvars, closed_jaxpr.consts)
+    outvars = visit(jaxpr, const_atoms, invars)
+    return Program(
+        tuple(eqns),
+        tuple(invars),
+        tuple(outvars),
+        avals,
+        tuple(constvars),
+        tuple(consts),
+    )
 
 
 def _is_float_dtype(dtype) -> bool:
@@ -241,7 +268,7 @@ def evaluate(
     partials of a variable used several times by one equation.
     """
     vid = structure.vid
-    env: dict[int, Any] = {}
+    env: dict[int, Any] = dict(zip(program.constvars, program.consts, strict=True))
     for var, val in zip(program.invars, flat_args, strict=True):
         env[var] = val
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,8 +14,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from . import _jax_private as jp
 from ._eliminate import real_add, real_product, run_order, sim_edge, simulate
-from ._graph import EdgeGraph, Program, Structure, analyse, evaluate, inline
+from ._graph import EdgeGraph, Lit, Program, Structure, analyse, evaluate, inline
 from ._orders import normalise_order, resolve
 from ._sparse import LinearMap, SparseTensor, from_labeled, to_sparse
 
@@ -23,22 +26,29 @@ from ._sparse import LinearMap, SparseTensor, from_labeled, to_sparse
 #
 
 
-def _normalise_argnums(argnums) -> tuple[tuple[int, ...], bool]:
-    """(argnums as a tuple, whether the caller passed a tuple)."""
-    if isinstance(argnums, (int, np.integer)) and not isinstance(argnums, bool):
-        return (int(argnums),), False
-    if isinstance(argnums, (tuple, list)) and all(
-        isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in argnums
-    ):
-        if len(argnums) == 0:
-            raise ValueError(
-                "`jacve` got `argnums=()`; pass at least one argument index."
-            )
-        return tuple(int(a) for a in argnums), True
-    raise TypeError(
-        f"`jacve` got `argnums={argnums!r}`; it must be an int or a tuple of ints, "
-        "as for `jax.jacrev`."
-    )
+def _normalise_argnums(argnums, name: str = "jacve") -> tuple[tuple[int, ...], bool]:
+    """(argnums as a tuple, whether results get a tuple over them), as `jax.jacrev`.
+
+    Like JAX: anything `operator.index` accepts is one index, and the result is a
+    tuple over arguments unless `argnums` is a Python `int`; any other iterable is a
+    sequence of indices.
+    """
+    try:
+        return (operator.index(argnums),), not isinstance(argnums, int)
+    except TypeError:
+        pass
+    try:
+        nums = tuple(operator.index(a) for a in argnums)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` got `argnums={argnums!r}`; it must be an int or a sequence of "
+            "ints, as for `jax.jacrev`."
+        ) from None
+    if len(nums) == 0:
+        raise ValueError(
+            f"`{name}` got `argnums=()`; pass at least one argument index."
+        )
+    return nums, True
 
 
 def _check_argnums(argnums: tuple[int, ...], nargs: int, name: str) -> tuple[int, ...]:
@@ -99,21 +109,113 @@ def _check_differentiable(x, argnum: int, name: str):
 #
 # Tracing and caching.
 #
+# Every call traces `fun` afresh, as `jax.jacrev` does, so values the function closes
+# over are read anew each time (under `jax.jit` they are fixed when `jit` traces, as
+# usual). Only what is expensive and depends on the structure alone is cached: the
+# vertex numbering and the resolved elimination orders, keyed on a fingerprint of the
+# inlined program in which closed-over arrays are variables, not values.
+#
+
+
+@dataclasses.dataclass
+class _Analysis:
+    structure: Structure
+    orders: dict = dataclasses.field(default_factory=dict)
+
+
+_ANALYSES: OrderedDict[Any, _Analysis] = OrderedDict()
+_MAX_ANALYSES = 256
 
 
 @dataclasses.dataclass
 class _Traced:
     program: Program
-    structure: Structure
+    analysis: _Analysis
     out_tree: Any
     aux_tree: Any
     num_out: int
     out_avals: tuple
-    orders: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def structure(self) -> Structure:
+        return self.analysis.structure
 
 
-def _trace(fun, treedef, leaves, diff_mask, has_aux, name) -> tuple[_Traced, bool]:
-    """Trace `fun` to a program; returns it and whether it may be cached."""
+def _param_key(value) -> Any:
+    """A hashable stand-in for an equation parameter, equal across re-traces."""
+    if isinstance(value, jp.ClosedJaxpr):
+        return ("closed_jaxpr", str(value.jaxpr), _avals_key(value.consts))
+    if isinstance(value, jp.Jaxpr):
+        return ("jaxpr", str(value))
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_param_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _param_key(v)) for k, v in sorted(value.items())))
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.shape, str(value.dtype), value.tobytes())
+    if callable(value) and not isinstance(value, type):
+        # Rules of custom derivatives are re-created by every trace; the program
+        # keeps the current ones, so only their kind matters for the structure.
+        return ("callable", getattr(value, "__qualname__", type(value).__qualname__))
+    try:
+        hash(value)
+    except TypeError:
+        return ("repr", repr(value))
+    return value
+
+
+def _avals_key(values) -> tuple:
+    return tuple((jnp.shape(v), str(jnp.result_type(v))) for v in values)
+
+
+def _fingerprint(program: Program) -> tuple:
+    """The structure of `program`: everything but its literal and const values."""
+
+    def atom(a):
+        if isinstance(a, Lit):
+            return ("lit", jnp.shape(a.value), str(jnp.result_type(a.value)))
+        return a
+
+    eqns = tuple(
+        (
+            str(e.prim),
+            e.prim,
+            tuple(atom(a) for a in e.invars),
+            e.outvars,
+            tuple((k, _param_key(v)) for k, v in sorted(e.params.items())),
+        )
+        for e in program.eqns
+    )
+    avals = tuple((v, shape, str(dtype)) for v, (shape, dtype) in program.avals.items())
+    return (
+        eqns,
+        program.invars,
+        tuple(atom(a) for a in program.outvars),
+        program.constvars,
+        avals,
+    )
+
+
+def _analysis(program: Program, diff_mask, num_out: int) -> _Analysis:
+    try:
+        key = (_fingerprint(program), tuple(diff_mask), num_out)
+        hash(key)
+    except TypeError:
+        key = None
+    found = _ANALYSES.get(key) if key is not None else None
+    if found is not None:
+        _ANALYSES.move_to_end(key)
+        return found
+    found = _Analysis(analyse(program, diff_mask, num_out))
+    if key is not None:
+        _ANALYSES[key] = found
+        if len(_ANALYSES) > _MAX_ANALYSES:
+            _ANALYSES.popitem(last=False)
+    return found
+
+
+def _trace(fun, treedef, leaves, diff_mask, has_aux, name) -> _Traced:
+    """Trace `fun` on `leaves`, keeping their dtypes, weak types and shardings."""
     store = {}
 
     def flat_fun(*flat):
@@ -123,14 +225,15 @@ def _trace(fun, treedef, leaves, diff_mask, has_aux, name) -> tuple[_Traced, boo
             if not (isinstance(res, (tuple, list)) and len(res) == 2):
                 raise TypeError(
                     f"`{name}(..., has_aux=True)` expects the function to return a "
-                    f"pair `(output, aux)`, but it returned {type(res).__name__}."
+                    "pair `(output, aux)`, but it returned "
+                    f"{_describe_value(res)}."
                 )
             out, aux = res
         else:
             out, aux = res, None
         out_leaves, out_tree = jtu.tree_flatten(out)
         aux_leaves, aux_tree = jtu.tree_flatten(aux)
-        out_leaves = [_as_array(o, "an output", name) for o in out_leaves]
+        out_leaves = [_as_output(o, "an output", name) for o in out_leaves]
         for o in out_leaves:
             if not jnp.issubdtype(o.dtype, jnp.floating):
                 raise TypeError(
@@ -138,27 +241,40 @@ def _trace(fun, treedef, leaves, diff_mask, has_aux, name) -> tuple[_Traced, boo
                     f"returned an output of dtype {o.dtype}. Return integer results "
                     "through `has_aux=True` instead."
                 )
-        aux_leaves = [_as_array(a, "an aux output", name) for a in aux_leaves]
+        aux_leaves = [_as_output(a, "an aux output", name) for a in aux_leaves]
         store.update(out_tree=out_tree, aux_tree=aux_tree, num_out=len(out_leaves))
         return out_leaves + aux_leaves
 
-    specs = [
-        jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), weak_type=_weak(x))
-        for x in leaves
-    ]
-    closed = jax.make_jaxpr(flat_fun)(*specs)
+    closed = jax.make_jaxpr(flat_fun)(*leaves)
     program = inline(closed)
-    structure = analyse(program, diff_mask, store["num_out"])
-    cacheable = not any(isinstance(c, jax.core.Tracer) for c in closed.consts)
-    traced = _Traced(
+    return _Traced(
         program,
-        structure,
+        _analysis(program, diff_mask, store["num_out"]),
         store["out_tree"],
         store["aux_tree"],
         store["num_out"],
         tuple(closed.out_avals),
     )
-    return traced, cacheable
+
+
+def _describe_value(x) -> str:
+    if isinstance(x, jax.core.Tracer):
+        aval = x.aval
+        return f"a single array of shape {tuple(aval.shape)} and dtype {aval.dtype}"
+    return f"an object of type {type(x).__name__}"
+
+
+def _as_output(x, where: str, name: str):
+    if isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return x
+    try:
+        return jnp.asarray(x)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` got {where} of type {type(x).__name__} ({x!r:.60}) from the "
+            "function, which is not an array. Return arrays (or pytrees of arrays) "
+            "from the function, and other objects through `has_aux=True`."
+        ) from None
 
 
 def _weak(x) -> bool:
@@ -175,7 +291,7 @@ class _Prepared:
     arg_offsets: list[int]
 
 
-def _prepare(fun, cache, args, kwargs, argnums, has_aux, name) -> _Prepared:
+def _prepare(fun, args, kwargs, argnums, has_aux, name) -> _Prepared:
     argnums = _check_argnums(argnums, len(args), name)
     arg_trees, arg_offsets = [], []
     leaves, offset = [], 0
@@ -198,17 +314,7 @@ def _prepare(fun, cache, args, kwargs, argnums, has_aux, name) -> _Prepared:
         n = arg_trees[k].num_leaves
         for j in range(arg_offsets[k], arg_offsets[k] + n):
             diff_mask[j] = True
-    key = (
-        treedef,
-        tuple((jnp.shape(x), jnp.result_type(x), _weak(x)) for x in leaves),
-        argnums,
-        has_aux,
-    )
-    traced = cache.get(key)
-    if traced is None:
-        traced, cacheable = _trace(fun, treedef, leaves, diff_mask, has_aux, name)
-        if cacheable:
-            cache[key] = traced
+    traced = _trace(fun, treedef, leaves, diff_mask, has_aux, name)
     return _Prepared(traced, leaves, argnums, arg_trees, arg_offsets)
 
 
@@ -221,11 +327,12 @@ def _eliminate(prep: _Prepared, order_spec):
     traced = prep.traced
     structure = traced.structure
     flat_out, graph, adds0 = evaluate(traced.program, structure, prep.leaves)
-    order = traced.orders.get(order_spec)
+    orders = traced.analysis.orders
+    order = orders.get(order_spec)
     if order is None:
         sim_graph = graph.copy_with(sim_edge)
         order = resolve(order_spec, sim_graph, structure)
-        traced.orders[order_spec] = order
+        orders[order_spec] = order
     muls, adds, per_vertex = run_order(graph, order, real_product, real_add)
     counts = {
         "num_muls": int(muls),
@@ -281,9 +388,13 @@ def _assemble(prep: _Prepared, graph: EdgeGraph, as_tuple: bool, sparse: bool):
                 if out_vid is not None:
                     edge = graph.succ[input_vid[j]].get(out_vid)
                 if edge is None:
-                    blocks.append(_zero_block(out_shape, jnp.shape(x), dtype, sparse))
+                    block = _zero_block(out_shape, jnp.shape(x), dtype, sparse)
                 else:
-                    blocks.append(_block(edge, dtype, sparse))
+                    block = _block(edge, dtype, sparse)
+                if not sparse and _weak(x):
+                    # As `jax.jacrev`: the derivative w.r.t. a Python scalar is weak.
+                    block = jp.as_weak_type(block)
+                blocks.append(block)
             per_arg.append(jtu.tree_unflatten(prep.arg_trees[k], blocks))
         per_output.append(tuple(per_arg) if as_tuple else per_arg[0])
     return jtu.tree_unflatten(traced.out_tree, per_output)
@@ -292,7 +403,9 @@ def _assemble(prep: _Prepared, graph: EdgeGraph, as_tuple: bool, sparse: bool):
 def _outputs(prep: _Prepared, flat_out):
     traced = prep.traced
     vals = [
-        jnp.asarray(v, dtype=aval.dtype)
+        jp.as_weak_type(jnp.asarray(v, dtype=aval.dtype))
+        if getattr(aval, "weak_type", False)
+        else jnp.asarray(v, dtype=aval.dtype)
         for v, aval in zip(flat_out, traced.out_avals, strict=True)
     ]
     out = jtu.tree_unflatten(traced.out_tree, vals[: traced.num_out])
@@ -309,20 +422,17 @@ class _JacVE:
         if not callable(fun):
             raise TypeError(f"`{name}` expects a callable, got {type(fun).__name__}.")
         self.fun = fun
-        self.order_spec = normalise_order(order)
-        self.argnums, self.as_tuple = _normalise_argnums(argnums)
+        self.order_spec = normalise_order(order, name)
+        self.argnums, self.as_tuple = _normalise_argnums(argnums, name)
         self.has_aux = has_aux
         self.count_ops = count_ops
         self.sparse = sparse
         self.with_value = with_value
         self.name = name
-        self._cache: dict = {}
         functools.update_wrapper(self, fun, updated=())
 
     def __call__(self, *args, **kwargs):
-        prep = _prepare(
-            self.fun, self._cache, args, kwargs, self.argnums, self.has_aux, self.name
-        )
+        prep = _prepare(self.fun, args, kwargs, self.argnums, self.has_aux, self.name)
         flat_out, graph, counts = _eliminate(prep, self.order_spec)
         jac = _assemble(prep, graph, self.as_tuple, self.sparse)
         out, aux = _outputs(prep, flat_out)
@@ -364,9 +474,16 @@ def jacve(
         (greedy: always eliminate the currently cheapest vertex), `"auto"` (the
         cheapest of those three by counted multiplications, decided from the graph's
         structure alone), or a sequence of vertex ids as listed by
-        [`graphax_eqx.make_graph`][].
-    - `argnums`: an int or a tuple of ints: which positional arguments to
-        differentiate. Their leaves must be real floating-point arrays.
+        [`graphax_eqx.make_graph`][]. Names are case-insensitive (`"Markowitz"`
+        works). An explicit sequence lists every intermediate vertex once, except
+        that vertices whose values are outputs may be left out (as in orders
+        written for the original graphax and AlphaGrad): those are eliminated last,
+        in ascending order. Sets and dicts are refused, having no order.
+    - `argnums`: an int or a sequence of ints (tuple, list, `range`): which
+        positional arguments to differentiate. Their leaves must be real
+        floating-point arrays. As for `jax.jacrev`, the result holds a tuple over
+        arguments unless `argnums` is a Python `int` (a NumPy integer gives a
+        1-tuple).
     - `has_aux`: if `True`, `fun` returns `(output, aux)`; the result is
         `(jacobian, aux)`.
     - `count_ops`: if `True`, the result becomes `(result, counts)`, with `counts` a
@@ -482,7 +599,7 @@ class Graph:
 
         Computed from the structure alone, without any arithmetic.
         """
-        spec = normalise_order(order)
+        spec = normalise_order(order, "Graph.counts")
         ids = resolve(spec, self._sim, self._structure)
         muls, adds, per = simulate(self._sim, ids)
         return {"num_muls": muls, "num_adds": adds, "order": ids, "order_counts": per}
@@ -542,10 +659,10 @@ def make_graph(
         order = list(reversed(graph.intermediates))
         ```
     """
-    argnums_t, _ = _normalise_argnums(argnums)
+    argnums_t, _ = _normalise_argnums(argnums, "make_graph")
 
     def build(*args, **kwargs) -> Graph:
-        prep = _prepare(fun, {}, args, kwargs, argnums_t, has_aux, "make_graph")
+        prep = _prepare(fun, args, kwargs, argnums_t, has_aux, "make_graph")
         traced = prep.traced
         structure = traced.structure
         captured = {}

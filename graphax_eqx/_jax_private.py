@@ -10,6 +10,7 @@ from typing import Any
 
 import jax.extend.core as jex_core
 from jax import lax
+from jax._src.lax import lax as _lax_internal
 from jax.extend.core import primitives as jex_prims
 
 
@@ -78,3 +79,11 @@ def custom_call_jaxpr(eqn):
     if isinstance(closed, ClosedJaxpr):
         return closed.jaxpr, list(closed.consts)
     return closed, []
+
+
+def as_weak_type(x):
+    """`x` with a weak type, as JAX gives derivatives w.r.t. Python scalars.
+
+    No public API sets `weak_type`; `jax.jacrev` results carry it for weak inputs.
+    """
+    return _lax_internal._convert_element_type(x, x.dtype, weak_type=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+import numpy as np
+
 from ._eliminate import (
     eliminate_vertex,
     estimated_cost,
@@ -26,29 +28,44 @@ _ALIASES = {
 ORDER_NAMES = tuple(_ALIASES)
 
 
-def normalise_order(order):
-    """Check an `order` argument early; returns a canonical name or a tuple of ids."""
+def normalise_order(order, api: str = "jacve"):
+    """Check an `order` argument early; returns a canonical name or a tuple of ids.
+
+    Names are case-insensitive. `api` names the function in error messages.
+    """
     if isinstance(order, str):
         name = _ALIASES.get(order.lower())
         if name is None:
             raise ValueError(
-                f"`jacve` got `order={order!r}`, which is not a known order. Use "
+                f"`{api}` got `order={order!r}`, which is not a known order. Use "
                 f"one of {', '.join(repr(n) for n in ORDER_NAMES)}, or a sequence "
                 "of vertex ids "
                 "(see `graphax_eqx.make_graph`)."
             )
         return name
-    try:
-        ids = tuple(order)
-    except TypeError:
+    if isinstance(order, (set, frozenset, dict)) or not isinstance(
+        order, (Sequence, np.ndarray)
+    ):
+        kind = type(order).__name__
         raise TypeError(
-            f"`jacve` got `order={order!r}`; `order` must be a string such as 'rev' "
-            "or a sequence of integer vertex ids."
-        ) from None
+            f"`{api}` got `order` of type {kind}, which "
+            + (
+                "has no order of its own. "
+                if isinstance(order, (set, frozenset, dict))
+                else "is not a sequence. "
+            )
+            + "Pass a string such as 'rev' or a list or tuple of vertex ids in "
+            "elimination order (see `graphax_eqx.make_graph`)."
+        )
+    ids = (
+        tuple(np.asarray(order).reshape(-1).tolist())
+        if isinstance(order, np.ndarray)
+        else tuple(order)
+    )
     bad = [i for i in ids if isinstance(i, bool) or not _is_int(i)]
     if bad:
         raise TypeError(
-            f"`jacve` got an explicit order with non-integer entries {bad!r}; vertex "
+            f"`{api}` got an explicit order with non-integer entries {bad!r}; vertex "
             "ids are Python ints as listed by `graphax_eqx.make_graph`."
         )
     return tuple(int(i) for i in ids)
@@ -59,6 +76,19 @@ def _is_int(x) -> bool:
         return int(x) == x and not isinstance(x, float)
     except (TypeError, ValueError):
         return False
+
+
+def complete(order: tuple[int, ...], structure) -> tuple[int, ...]:
+    """`order` with unlisted output-producing vertices appended, in ascending order.
+
+    Orders written for the original graphax (and AlphaGrad's published orders) do not
+    list the vertices whose values are outputs; those are eliminated last.
+    """
+    listed = set(order)
+    producers = sorted(
+        v for v in set(structure.output_sources.values()) if v > 0 and v not in listed
+    )
+    return tuple(order) + tuple(producers)
 
 
 def validate(order: tuple[int, ...], intermediates: Sequence[int], outputs, inputs):
@@ -96,7 +126,8 @@ def validate(order: tuple[int, ...], intermediates: Sequence[int], outputs, inpu
             "`jacve` got an invalid elimination order: "
             + "; ".join(problems)
             + f". An explicit order must list each intermediate vertex exactly once: "
-            f"here {span}. `graphax_eqx.make_graph(fun)(*args)` shows them."
+            f"here {span} (vertices that produce an output may be left out; they are "
+            "eliminated last). `graphax_eqx.make_graph(fun)(*args)` shows them."
         )
 
 
@@ -126,8 +157,9 @@ def resolve(name_or_ids, sim_graph: EdgeGraph, structure) -> list[int]:
     """The explicit vertex order for an order argument."""
     inter = list(structure.intermediates)
     if isinstance(name_or_ids, tuple):
-        validate(name_or_ids, inter, structure.outputs, structure.inputs)
-        return list(name_or_ids)
+        ids = complete(name_or_ids, structure)
+        validate(ids, inter, structure.outputs, structure.inputs)
+        return list(ids)
     if name_or_ids == "fwd":
         return inter
     if name_or_ids == "rev":

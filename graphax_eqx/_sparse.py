@@ -254,7 +254,19 @@ class SparseTensor(eqx.Module):
         return jsparse.BCOO((data, jnp.asarray(indices)), shape=p.shape)
 
     def __repr__(self) -> str:
-        return _pattern_repr(self.pattern, self.dtype)
+        return _pattern_repr(self.pattern, self.dtype, _scalar_text(self.val))
+
+
+def _scalar_text(val) -> str | None:
+    """A constant value as text: its number when concrete, empty under a trace."""
+    if val is None:
+        return None
+    if jnp.ndim(val) != 0:
+        return "array"
+    try:
+        return f"{float(val):g}"
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return ""
 
 
 def _dtype_str(dtype) -> str:
@@ -267,7 +279,10 @@ def _dtype_str(dtype) -> str:
     }.get(name, name)
 
 
-def _pattern_repr(p: Pattern, dtype) -> str:
+def _pattern_repr(p: Pattern, dtype, scalar: Any = None) -> str:
+    """The pattern as text; `scalar` is the constant value of a pattern that carries
+    no label (`None` when every stored entry is exactly one)."""
+
     def letter(label):
         return _LETTERS[label % len(_LETTERS)]
 
@@ -277,14 +292,17 @@ def _pattern_repr(p: Pattern, dtype) -> str:
     inn = " ".join(letter(label) for label in p.labels[nout:])
     if p.val_labels:
         val = "val[" + " ".join(letter(label) for label in p.val_labels) + "]"
+    elif scalar is None:
+        val = "val=1"
     else:
-        val = "val=const"
+        val = f"val=c ({scalar})" if scalar else "val=c"
     notes = []
     for label in range(p.num_labels):
         axes = [k for k, c in enumerate(p.labels) if c == label]
         carried = label in p.val_labels
         if len(axes) == 2:
-            notes.append(f"{letter(label)}: {'diagonal' if carried else 'identity'}")
+            kind = "identity" if scalar is None or p.val_labels else "c·identity"
+            notes.append(f"{letter(label)}: {'diagonal' if carried else kind}")
         elif not carried:
             notes.append(f"{letter(label)}: broadcast")
     note = ("; " + ", ".join(notes)) if notes else ""
