@@ -207,11 +207,17 @@ class SparseTensor(eqx.Module):
     - `val`: the value array, or `None` when every stored entry is exactly one.
     - `pattern`: the static [`graphax_eqx._sparse.Pattern`][].
     - `dtype`: the dtype of the Jacobian.
+    - `mask`: `None`, or a boolean array shaped like `val` marking *selected-away*
+        entries: zeros that come from a selection (`jnp.where`, a custom rule that
+        ignores its tangent), not from a multiplication. A product with such an
+        entry is exactly zero even when the other factor is infinite or NaN, as in
+        JAX, where the selection discards the other branch's derivative.
     """
 
     val: Array | None
     pattern: Pattern = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
+    mask: Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -333,6 +339,14 @@ def from_labeled(
         assert val.shape == pattern.val_shape, (val.shape, pattern)
     assert dtype is not None
     return SparseTensor(val, pattern, jnp.dtype(dtype))
+
+
+def with_mask(st: SparseTensor, mask: Array | None) -> SparseTensor:
+    """`st` whose entries are selected away where `mask` is true (see `mask`)."""
+    if mask is None or st.val is None:
+        return st
+    assert tuple(jnp.shape(mask)) == tuple(st.val.shape), (jnp.shape(mask), st)
+    return SparseTensor(st.val, st.pattern, st.dtype, jnp.asarray(mask, bool))
 
 
 def diagonal(val: Array | None, shape: tuple[int, ...], dtype=None) -> SparseTensor:
@@ -776,6 +790,13 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
     if b_val:
         operands.append(b.val)
         subs.append(plan.b_sub)
+    # Selected-away entries stay exactly zero, whatever they multiply. Only where an
+    # entry meets single terms (nothing of its operand is summed over).
+    masks = [
+        (x.mask, sub)
+        for x, has, sub in ((a, a_val, plan.a_sub), (b, b_val, plan.b_sub))
+        if has and x.mask is not None and set(sub) <= set(plan.out_sub)
+    ]
     if not operands:
         val = None if plan.factor == 1 else jnp.asarray(plan.factor, dtype)
     else:
@@ -794,6 +815,12 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
         val = _cast(val, dtype)
         if plan.factor != 1:
             val = lax.mul(val, lax.full_like(val, plan.factor))
+        for mask, sub in masks:
+            mask = _align(mask, sub, plan.out_sub)
+            dims = tuple(plan.out_sub.index(c) for c in plan.out_sub if c in sub)
+            if tuple(mask.shape) != tuple(val.shape):
+                mask = lax.broadcast_in_dim(mask, tuple(val.shape), dims)
+            val = lax.select(mask, lax.full_like(val, 0), val)
     return SparseTensor(val, plan.pattern, jnp.dtype(dtype)), plan.muls
 
 

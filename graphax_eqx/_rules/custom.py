@@ -1,89 +1,217 @@
 """`custom_jvp_call` and `custom_vjp_call`: derivatives from the user's rule.
 
-When the call is elementwise (every variable of its body has the output's shape or is
-a scalar, and every equation is elementwise) one JVP (or VJP) with a ones tangent
-gives the diagonal exactly. Otherwise the local Jacobian is computed densely through
-the custom rule.
+The local Jacobian is the one the custom rule defines, exactly as `jax.jacfwd` /
+`jax.jacrev` see it, whatever the primal body computes. When the *rule* is elementwise
+(the tangent output depends on the tangent inputs only position by position, shown
+structurally on the rule's jaxpr) one JVP (or VJP) with a ones tangent gives the
+diagonal exactly (for a rule that is zero at a zero tangent, as every linear rule is;
+`jax.jacfwd` sees a nonlinear one such as `clip(t)` on basis tangents, and so does the
+diagonal). Otherwise the local Jacobian is computed densely through the rule: by
+`jax.jacfwd` first for `custom_jvp`, by `jax.jacrev` for `custom_vjp`.
 """
 
 from __future__ import annotations
+
+import enum
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from .. import _jax_private as jp
-from ._base import register, shape_of, zero_derivative
-from .elementwise import _broadcast_partial, elementwise_primitives
+from .._sparse import with_mask
+from ._base import Partials, active_indices, register, shape_of
+from .elementwise import _broadcast_partial, elementwise_primitives, selected_away
 from .fallback import dense_jacobian
 
 
-_ELEMENTWISE_EXTRA = {lax.broadcast_in_dim_p, lax.stop_gradient_p}
+class _Dep(enum.Enum):
+    """How a variable of the linearised rule depends on the tangent (cotangent) seed."""
+
+    NONE = 0  # not at all
+    ELEMENTWISE = 1  # element k on element k of the seed only (full output shape)
+    MIXED = 2  # anything else
 
 
-def _is_elementwise_jaxpr(jaxpr, out_shape) -> bool:
-    allowed = elementwise_primitives | zero_derivative | _ELEMENTWISE_EXTRA
-    for var in list(jaxpr.invars) + list(jaxpr.constvars):
-        if tuple(var.aval.shape) not in (out_shape, ()):
-            return False
+# Elementwise primitives with no derivative of their own: on the tangent path they
+# still map element k to element k (e.g. `where(t > 0, t, 0)`).
+_ELEMENTWISE_ZERO = {
+    lax.eq_p,
+    lax.ne_p,
+    lax.lt_p,
+    lax.le_p,
+    lax.gt_p,
+    lax.ge_p,
+    lax.floor_p,
+    lax.ceil_p,
+    lax.round_p,
+    lax.sign_p,
+    lax.is_finite_p,
+    lax.and_p,
+    lax.or_p,
+    lax.not_p,
+    lax.xor_p,
+}
+# Identity on values when input and output shapes agree.
+_SHAPE_ONLY = {
+    lax.broadcast_in_dim_p,
+    lax.reshape_p,
+    lax.squeeze_p,
+    lax.sharding_constraint_p,
+}
+_ELEMENTWISE_ANY = elementwise_primitives | _ELEMENTWISE_ZERO
+
+
+def _sub_jaxpr(eqn):
+    """The body a linearised rule evaluates for a call-like equation, or None."""
+    inner = jp.inner_jaxpr(eqn)
+    if inner is not None:
+        return inner[0]
+    if eqn.primitive in (jp.custom_jvp_call_p, jp.custom_vjp_call_p):
+        # Evaluated (not differentiated) inside the rule: its primal body is what runs.
+        return jp.custom_call_jaxpr(eqn)[0]
+    return None
+
+
+def _propagate(jaxpr, in_deps: list[_Dep], out_shape) -> list[_Dep]:
+    """The dependence of each output of `jaxpr` on the seed, given its inputs'."""
+    env: dict = {}
+
+    def read(atom) -> _Dep:
+        return _Dep.NONE if isinstance(atom, jp.Literal) else env.get(atom, _Dep.NONE)
+
+    for var, dep in zip(jaxpr.invars, in_deps, strict=True):
+        env[var] = dep
     for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            if tuple(var.aval.shape) not in (out_shape, ()):
-                return False
-        inner = jp.inner_jaxpr(eqn)
-        if inner is not None:
-            if not _is_elementwise_jaxpr(inner[0], out_shape):
-                return False
-        elif eqn.primitive in (jp.custom_jvp_call_p, jp.custom_vjp_call_p):
-            if not _is_elementwise_jaxpr(jp.custom_call_jaxpr(eqn)[0], out_shape):
-                return False
-        elif eqn.primitive not in allowed:
-            return False
-    return True
+        deps = [read(a) for a in eqn.invars]
+        if all(d is _Dep.NONE for d in deps):
+            outs = [_Dep.NONE] * len(eqn.outvars)
+        elif _Dep.MIXED in deps:
+            outs = [_Dep.MIXED] * len(eqn.outvars)
+        elif (sub := _sub_jaxpr(eqn)) is not None:
+            outs = _propagate(sub, deps, out_shape)
+        else:
+            ok = all(tuple(v.aval.shape) == out_shape for v in eqn.outvars)
+            if eqn.primitive in _SHAPE_ONLY:
+                ok = ok and tuple(eqn.invars[0].aval.shape) == out_shape
+            elif eqn.primitive is lax.transpose_p:
+                perm = tuple(eqn.params["permutation"])
+                ok = ok and perm == tuple(range(len(perm)))
+            elif eqn.primitive not in _ELEMENTWISE_ANY:
+                ok = False
+            dep = _Dep.ELEMENTWISE if ok else _Dep.MIXED
+            outs = [dep] * len(eqn.outvars)
+        for var, dep in zip(eqn.outvars, outs, strict=True):
+            env[var] = dep
+    return [read(a) for a in jaxpr.outvars]
 
 
-def _elementwise_call(params, primals, outs) -> bool:
-    if len(outs) != 1:
+def _rule_is_elementwise(prim, params, primals, wrt, out, use_vjp) -> bool:
+    """Whether the custom rule maps tangents of `primals[i]`, `i in wrt`, to the output
+    tangent (or the output cotangent back to theirs) elementwise.
+
+    The rule is traced as JAX runs it (`jax.jvp`, or `jax.vjp` and its pullback, of the
+    rebound call) and the seed's dependence is followed through the jaxpr. This is
+    structural, so it holds under `jit` where values are tracers; anything not shown
+    elementwise (reductions, rolls, gathers, control flow) counts as mixing.
+    """
+    out_shape = shape_of(out)
+
+    def f(xs, rest):
+        args = list(rest)
+        for i, x in zip(wrt, xs, strict=True):
+            args[i] = x
+        return jp.bind(prim, params, *args)[0]
+
+    def pullback(xs, rest, seed):
+        _, vjp = jax.vjp(lambda *xs: f(xs, rest), *xs)
+        return vjp(seed)
+
+    def pushforward(xs, rest, seed):
+        return jax.jvp(lambda *xs: f(xs, rest), tuple(xs), tuple(seed))[1]
+
+    xs = [primals[i] for i in wrt]
+    # Only the avals of the seed matter: the output for a cotangent, `xs` for tangents.
+    linear, seed = (pullback, out) if use_vjp else (pushforward, xs)
+    try:
+        # Every primal is an argument, so no value is closed over as a constant.
+        closed = jax.make_jaxpr(linear)(xs, list(primals), seed)
+    except Exception:  # the rule cannot be traced this way: use the dense path
         return False
-    out_shape = shape_of(outs[0])
-    if any(shape_of(x) not in (out_shape, ()) for x in primals):
-        return False  # degenerate broadcasting: use the dense path
-    closed = params["call_jaxpr"]
-    jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
-    return _is_elementwise_jaxpr(jaxpr, out_shape)
+    jaxpr = closed.jaxpr
+    n_seed = len(jax.tree.leaves(seed))
+    n_other = len(jaxpr.invars) - n_seed
+    in_deps = [_Dep.NONE] * n_other + [_Dep.ELEMENTWISE] * n_seed
+    outs = _propagate(jaxpr, in_deps, out_shape)
+    return all(d is not _Dep.MIXED for d in outs)
 
 
 def _custom_rule(prim, use_vjp):
+    # Dense modes: JAX defines a custom_jvp's Jacobian by its JVP rule on basis
+    # tangents (`jax.jacfwd`), and a custom_vjp has only its VJP.
+    modes = ("rev",) if use_vjp else ("fwd", "rev")
+
     def rule(primals, active, **params):
         outs = jp.bind(prim, params, *primals)
-        if not _elementwise_call(params, primals, outs):
-            modes = ("rev", "fwd") if use_vjp else None
+        idx = active_indices(active)
+        if len(outs) != 1:
             return outs, dense_jacobian(prim, params, primals, active, outs, modes)
         out = outs[0]
         out_shape = shape_of(out)
-        partials = {}
-        for i, a in enumerate(active):
-            if not a:
-                continue
+        if any(shape_of(primals[i]) not in (out_shape, ()) for i in idx):
+            # Degenerate broadcasting: use the dense path.
+            return outs, dense_jacobian(prim, params, primals, active, outs, modes)
+        # Operands of the output's shape need an elementwise rule for a diagonal; a
+        # scalar operand broadcast to a larger output has a single column, exact anyway.
+        wrt = [i for i in idx if shape_of(primals[i]) == out_shape]
+        if (
+            wrt
+            and math.prod(out_shape) > 1
+            and not _rule_is_elementwise(prim, params, primals, wrt, out, use_vjp)
+        ):
+            return outs, dense_jacobian(prim, params, primals, active, outs, modes)
 
-            def f(xi, i=i):
-                args = list(primals)
-                args[i] = xi
-                return jp.bind(prim, params, *args)[0]
+        def f(xs, at):
+            args = list(primals)
+            for i, x in zip(at, xs, strict=True):
+                args[i] = x
+            return jp.bind(prim, params, *args)[0]
 
+        # Diagonals, and where the rule selects its seed away (see `selected_away`).
+        diags, masks = {}, {}
+        if use_vjp and wrt:
+            # One pullback gives every diagonal; the seeds are built from `out` so
+            # that they carry its sharding.
+            _, pullback = jax.vjp(lambda *xs: f(xs, wrt), *[primals[i] for i in wrt])
+            ones = pullback(lax.full_like(out, 1))
+            nans = pullback(lax.full_like(out, jnp.nan))
+            for i, one, nan in zip(wrt, ones, nans, strict=True):
+                diags[i] = one
+                masks[i] = lax.bitwise_not(lax.ne(nan, nan))
+        for i in idx:
             x = primals[i]
-            if use_vjp or shape_of(x) == () and out_shape != ():
-                # A scalar operand's column is a VJP; custom_vjp has only VJPs.
-                if shape_of(x) == () and out_shape != ():
-                    diag = jax.jacrev(f)(x) if use_vjp else jax.jacfwd(f)(x)
-                else:
-                    _, pullback = jax.vjp(f, x)
-                    (diag,) = pullback(jnp.ones_like(out))
+            if i in diags:
+                continue
+            if i in wrt:
+                diags[i], masks[i] = selected_away(
+                    lambda t, x=x, i=i: jax.jvp(lambda x: f([x], [i]), (x,), (t,))[1], x
+                )
             else:
-                _, diag = jax.jvp(f, (x,), (jnp.ones_like(x),))
-            partials[(0, i)] = _broadcast_partial(
-                diag.astype(out.dtype), out_shape, shape_of(x), out.dtype
+                jacobian = jax.jacrev if use_vjp else jax.jacfwd
+                diags[i] = jacobian(lambda x: f([x], [i]))(x)
+        partials: Partials = {
+            (0, i): with_mask(
+                _broadcast_partial(
+                    diags[i].astype(out.dtype),
+                    out_shape,
+                    shape_of(primals[i]),
+                    out.dtype,
+                ),
+                masks.get(i),
             )
+            for i in idx
+        }
         return outs, partials
 
     return rule

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _jax_private as jp
-from .._sparse import diagonal, from_labeled
+from .._sparse import diagonal, from_labeled, with_mask
 from ._base import register, register_zero, shape_of
 
 
@@ -43,7 +43,8 @@ def _broadcast_partial(val, out_shape, in_shape, dtype):
 
 
 def _probe(prim, primals, i, params):
-    """`∂out/∂operand_i` of an elementwise primitive, as an out-shaped array."""
+    """`∂out/∂operand_i` of an elementwise primitive, as an out-shaped array, and
+    the mask of entries its JVP rule selects away (see `selected_away`)."""
     x = primals[i]
 
     def f(xi):
@@ -51,8 +52,21 @@ def _probe(prim, primals, i, params):
         args[i] = xi
         return prim.bind(*args, **params)
 
-    _, tangent = jax.jvp(f, (x,), (jnp.ones_like(x),))
-    return tangent
+    return selected_away(lambda t: jax.jvp(f, (x,), (t,))[1], x)
+
+
+def selected_away(linear, x):
+    """An elementwise linear map's diagonal, and where it discards its input.
+
+    `linear` maps a tangent shaped like `x` to an out-shaped array, elementwise. A
+    ones tangent gives the diagonal. A NaN tangent shows where the rule does not use
+    its input at all (JAX's `select`-based rules, e.g. `relu` or `clamp`): those
+    entries are selected away, and a product with them must stay zero even against
+    an infinite factor, as it does in JAX. Returns `(diagonal, mask or None)`.
+    """
+    diag = linear(lax.full_like(x, 1))
+    dropped = lax.bitwise_not(lax.ne(*(2 * [linear(lax.full_like(x, jnp.nan))])))
+    return diag, dropped
 
 
 def _full(val, out):
@@ -99,12 +113,14 @@ def elementwise_rule_for(prim):
         for i, a in enumerate(active):
             if not a:
                 continue
+            mask = None
             if formula is not None:
                 val = formula(primals, out, i, params)
             else:
-                val = _probe(prim, primals, i, params)
+                val, mask = _probe(prim, primals, i, params)
             in_shape = shape_of(primals[i])
-            partials[(0, i)] = _broadcast_partial(val, out_shape, in_shape, out.dtype)
+            partial = _broadcast_partial(val, out_shape, in_shape, out.dtype)
+            partials[(0, i)] = with_mask(partial, mask)
         return [out], partials
 
     return rule
@@ -210,10 +226,12 @@ def _select_n(primals, active, **params):
     which = pred.astype(jnp.int32) if pred.dtype == jnp.bool_ else pred
     for i, a in enumerate(active):
         if a and i > 0:
-            mask = (which == (i - 1)).astype(out.dtype)
-            partials[(0, i)] = _broadcast_partial(
-                mask, out_shape, shape_of(primals[i]), out.dtype
+            chosen = which == (i - 1)
+            partial = _broadcast_partial(
+                chosen.astype(out.dtype), out_shape, shape_of(primals[i]), out.dtype
             )
+            # The other cases' derivatives are discarded, not multiplied by zero.
+            partials[(0, i)] = with_mask(partial, lax.bitwise_not(chosen))
     return [out], partials
 
 

@@ -1,0 +1,493 @@
+"""Custom derivative rules (`custom_jvp_call`, `custom_vjp_call`) give JAX's Jacobian.
+
+The derivative comes from the rule, not from the primal body: a rule may mix elements
+even when its body is elementwise (and the reverse). Elementwise rules keep the cheap
+diagonal partial; every other rule falls back to the exact dense local Jacobian.
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import graphax_eqx as gx
+
+from .helpers import assert_matches_references, check_jacve, reference_jacobians
+
+
+ORDERS = ("fwd", "rev", "markowitz", "auto")
+
+
+# Rules that mix elements although the primal body is elementwise.
+
+
+@jax.custom_jvp
+def project(x):
+    return x
+
+
+@project.defjvp
+def _project_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return x, t - jnp.mean(t)
+
+
+@jax.custom_jvp
+def shifted_square(x):
+    return x**2
+
+
+@shifted_square.defjvp
+def _shifted_square_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return x**2, 2 * x * t + jnp.roll(t, 1)
+
+
+@jax.custom_jvp
+def averaged_sin(x):
+    return jnp.sin(x)
+
+
+@averaged_sin.defjvp
+def _averaged_sin_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return jnp.sin(x), jnp.full_like(t, jnp.mean(jnp.cos(x) * t))
+
+
+@jax.custom_vjp
+def centred(x):
+    return x
+
+
+def _centred_fwd(x):
+    return x, None
+
+
+def _centred_bwd(_, g):
+    return (g - jnp.mean(g),)
+
+
+centred.defvjp(_centred_fwd, _centred_bwd)
+
+
+# Elementwise rules.
+
+
+@jax.custom_jvp
+def clipped_sin(x):
+    return jnp.sin(x)
+
+
+@clipped_sin.defjvp
+def _clipped_sin_jvp(primals, tangents):
+    # Not linear in the tangent: only `jax.jacfwd` (the rule on basis tangents)
+    # defines the Jacobian.
+    (x,), (t,) = primals, tangents
+    return jnp.sin(x), jnp.cos(x) * jnp.clip(t, -1.0, 1.0)
+
+
+@jax.custom_jvp
+def clipped_slope(x):
+    return jnp.sin(x)
+
+
+@clipped_slope.defjvp
+def _clipped_slope_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return jnp.sin(x), t * jnp.clip(jnp.cos(x), 0.0, 0.5)
+
+
+@jax.custom_jvp
+def scaled_by_total(x):
+    return x * jnp.sum(x)
+
+
+@scaled_by_total.defjvp
+def _scaled_by_total_jvp(primals, tangents):
+    # Deliberately not the body's derivative: elementwise in `t` although the primal
+    # body reduces; the rule wins.
+    (x,), (t,) = primals, tangents
+    return x * jnp.sum(x), t * jnp.sum(x)
+
+
+@jax.custom_vjp
+def doubled_sin(x):
+    return jnp.sin(x)
+
+
+def _doubled_sin_fwd(x):
+    return jnp.sin(x), jnp.cos(x)
+
+
+def _doubled_sin_bwd(cos_x, g):
+    return (2 * cos_x * g,)
+
+
+doubled_sin.defvjp(_doubled_sin_fwd, _doubled_sin_bwd)
+
+
+@jax.custom_jvp
+def safe_sqrt(x):
+    return jnp.sqrt(x)
+
+
+@safe_sqrt.defjvp
+def _safe_sqrt_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    positive = x > 0
+    root = jnp.sqrt(jnp.where(positive, x, 1.0))
+    return jnp.sqrt(x), t * jnp.where(positive, 0.5 / root, 0.0)
+
+
+@jax.custom_jvp
+def safe_norm(x):
+    return jnp.sqrt(jnp.sum(x**2, axis=-1))
+
+
+@safe_norm.defjvp
+def _safe_norm_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    norm = jnp.sqrt(jnp.sum(x**2, axis=-1))
+    denominator = jnp.where(norm > 0, norm, 1.0)
+    return norm, jnp.where(norm > 0, jnp.sum(x * t, axis=-1) / denominator, 0.0)
+
+
+# Two operands, the second a scalar broadcast against the first.
+
+
+@jax.custom_jvp
+def scaled_sin(x, s):
+    return s * jnp.sin(x)
+
+
+@scaled_sin.defjvp
+def _scaled_sin_jvp(primals, tangents):
+    (x, s), (tx, ts) = primals, tangents
+    return s * jnp.sin(x), s * jnp.cos(x) * tx + ts * jnp.sin(x)
+
+
+@jax.custom_jvp
+def scaled_project(x, s):
+    return s * x
+
+
+@scaled_project.defjvp
+def _scaled_project_jvp(primals, tangents):
+    (x, s), (tx, ts) = primals, tangents
+    return s * x, s * (tx - jnp.mean(tx)) + ts * x
+
+
+# Nested custom rules.
+
+
+@jax.custom_jvp
+def doubled_project(x):
+    # A mixing custom rule in the body; the outer, elementwise rule is the one used.
+    return 2 * project(x)
+
+
+@doubled_project.defjvp
+def _doubled_project_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return doubled_project(x), 2 * t
+
+
+@jax.custom_jvp
+def delegated(x):
+    # Elementwise body; the rule delegates to the mixing rule of `project`.
+    return jnp.sin(x)
+
+
+@delegated.defjvp
+def _delegated_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return jnp.sin(x), jnp.cos(x) * jax.jvp(project, (x,), (t,))[1]
+
+
+@jax.custom_vjp
+def centred_relu(x):
+    return jax.nn.relu(x)
+
+
+def _centred_relu_fwd(x):
+    return jax.nn.relu(x), x
+
+
+def _centred_relu_bwd(x, g):
+    # The inner `jax.nn.relu` rule runs on the cotangent, then mixes.
+    (h,) = jax.vjp(jax.nn.relu, x)[1](g)
+    return (h - jnp.mean(h),)
+
+
+centred_relu.defvjp(_centred_relu_fwd, _centred_relu_bwd)
+
+
+# name: (function, argnums, references that define the Jacobian, elementwise rule)
+CASES = {
+    "project": (project, 0, ("fwd", "rev"), False),
+    "shifted_square": (shifted_square, 0, ("fwd", "rev"), False),
+    "averaged_sin": (averaged_sin, 0, ("fwd", "rev"), False),
+    "centred_vjp": (centred, 0, ("rev",), False),
+    "clipped_tangent": (clipped_sin, 0, ("fwd",), True),
+    "clipped_slope": (clipped_slope, 0, ("fwd", "rev"), True),
+    "scaled_by_total": (scaled_by_total, 0, ("fwd", "rev"), True),
+    "doubled_sin_vjp": (doubled_sin, 0, ("rev",), True),
+    "safe_sqrt": (safe_sqrt, 0, ("fwd", "rev"), True),
+    "safe_norm": (safe_norm, 0, ("fwd", "rev"), False),
+    "scaled_sin": (scaled_sin, (0, 1), ("fwd", "rev"), True),
+    "scaled_project": (scaled_project, (0, 1), ("fwd", "rev"), False),
+    "doubled_project": (doubled_project, 0, ("fwd", "rev"), True),
+    "delegated": (delegated, 0, ("fwd", "rev"), False),
+    "centred_relu_vjp": (centred_relu, 0, ("rev",), False),
+    "relu": (jax.nn.relu, 0, ("fwd", "rev"), True),
+    "relu6": (jax.nn.relu6, 0, ("fwd", "rev"), True),
+    "gelu": (lambda x: jax.nn.gelu(x, approximate=False), 0, ("fwd", "rev"), True),
+    "silu": (jax.nn.silu, 0, ("fwd", "rev"), True),
+    "softplus": (jax.nn.softplus, 0, ("fwd", "rev"), True),
+    "logaddexp": (jnp.logaddexp, (0, 1), ("fwd", "rev"), True),
+}
+
+
+def _args(name, dtype):
+    fun, argnums, _, _ = CASES[name]
+    # Kinks and zeros included: relu'(0) = 0 and the safe rules' zero branches.
+    x = jnp.array([-1.5, -0.5, 0.0, 0.25, 1.0, 2.0], dtype)
+    if name == "safe_sqrt":
+        x = jnp.abs(x)
+    elif name == "safe_norm":
+        x = jnp.stack([x, jnp.zeros_like(x), x[::-1]])
+    if argnums == (0, 1):
+        second = jnp.flip(x) if name == "logaddexp" else jnp.asarray(1.5, dtype)
+        return (x, second)
+    return (x,)
+
+
+@functools.cache
+def _references(name, dtype):
+    fun, argnums, refs, _ = CASES[name]
+    return reference_jacobians(fun, _args(name, dtype), argnums=argnums, refs=refs)
+
+
+def _custom_edges(fun, args, argnums):
+    """`(structure, same shape)` of each partial of the custom-rule vertices."""
+    graph = gx.make_graph(fun, argnums=argnums)(*args)
+    shapes = {v.id: v.shape for v in graph.vertices}
+    custom = {
+        v.id
+        for v in graph.vertices
+        if v.primitive in ("custom_jvp_call", "custom_vjp_call")
+    }
+    return [
+        (e.structure, shapes[e.src] == shapes[e.dst])
+        for e in graph.edges
+        if e.dst in custom
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_jax_eager(name):
+    # Eager dispatch is the slow part of this file: float64 is checked under `jit`.
+    fun, argnums, _, _ = CASES[name]
+    args = _args(name, jnp.float32)
+    references = _references(name, jnp.float32)
+    for order in ORDERS:
+        check_jacve(fun, args, order, argnums=argnums, references=references)
+
+
+# float64 for the rules whose arithmetic the engine does itself (mixing rules, dense
+# fallbacks, scalar operands); the others only repeat JAX's own float64 rules.
+FLOAT64_CASES = (
+    "project",
+    "shifted_square",
+    "centred_vjp",
+    "scaled_by_total",
+    "doubled_sin_vjp",
+    "scaled_project",
+    "delegated",
+    "relu",
+)
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [(name, jnp.float32) for name in sorted(CASES)]
+    + [(name, jnp.float64) for name in FLOAT64_CASES],
+)
+def test_matches_jax_under_jit(name, dtype):
+    fun, argnums, _, _ = CASES[name]
+    args = _args(name, dtype)
+    references = _references(name, dtype)
+
+    # One compilation for all orders.
+    @jax.jit
+    def jacobians(*args):
+        return [gx.jacve(fun, order=order, argnums=argnums)(*args) for order in ORDERS]
+
+    for result in jacobians(*args):
+        assert_matches_references(result, references)
+
+
+def test_project_is_not_zero():
+    # The reported defect: the primal is the identity, the rule projects.
+    x = jnp.arange(4.0)
+    expected = jnp.eye(4) - 0.25
+    assert np.allclose(gx.jacve(project)(x), expected)
+    assert np.allclose(jax.jit(gx.jacve(project, order="rev"))(x), expected)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_partial_structure(name):
+    fun, argnums, _, elementwise = CASES[name]
+    edges = _custom_edges(fun, _args(name, jnp.float32), argnums)
+    if name in ("silu", "gelu"):
+        # No custom rule here (kept in the table to cover `jax.nn` as used in models).
+        assert edges == []
+        return
+    assert edges, "expected a custom-rule vertex"
+    # The graph is built abstractly, so this also shows the check holds on tracers.
+    diagonal = [("diagonal" in s or "identity" in s) for s, _ in edges]
+    if elementwise:
+        # A scalar operand broadcast to the output has a single column instead.
+        assert all(d for d, (_, same) in zip(diagonal, edges) if same), edges
+    else:
+        assert not all(diagonal), edges
+
+
+def test_elementwise_rule_counts_like_a_diagonal():
+    x = jnp.linspace(-1.0, 1.0, 64, dtype=jnp.float32)
+    n = x.size
+    for order in ("fwd", "rev"):
+        relu = gx.make_graph(lambda x: jnp.sin(jax.nn.relu(x)))(x).counts(order)
+        mixing = gx.make_graph(lambda x: jnp.sin(project(x)))(x).counts(order)
+        assert relu["num_muls"] == n
+        assert mixing["num_muls"] == n * n
+
+
+def test_rule_wins_over_body():
+    # The rule, not the body, defines the derivative: relu'(0) = 0, and the rule of
+    # `scaled_by_total` ignores the body's reduction.
+    x = jnp.array([-1.0, 0.0, 2.0])
+    assert np.array_equal(gx.jacve(jax.nn.relu)(x), jnp.diag(jnp.array([0.0, 0, 1])))
+    assert np.allclose(gx.jacve(scaled_by_total)(x), jnp.eye(3) * jnp.sum(x))
+
+
+def test_safe_rules_have_no_nan():
+    x = jnp.array([[0.0, 0.0], [3.0, 4.0]])
+    expected = jax.jit(jax.jacfwd(lambda x: safe_sqrt(safe_norm(x))))(x)
+    for order in ORDERS:
+        jac = gx.jacve(lambda x: safe_sqrt(safe_norm(x)), order=order)(x)
+        assert bool(jnp.all(jnp.isfinite(jac)))
+        assert np.allclose(jac, expected)
+
+
+_SHARDED_SCRIPT = textwrap.dedent(
+    """
+    import json, os, traceback
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import graphax_eqx as gx
+    from graphax_eqx import _jax_private as jp
+    from graphax_eqx._rules._base import rules
+    from tests.test_custom_rules import centred, doubled_sin, project
+
+    report = {"rules": {}}
+    mesh = jax.make_mesh((8,), ("batch",))
+    with jax.set_mesh(mesh):
+        sharding = jax.sharding.NamedSharding(mesh, jax.P("batch"))
+        x = jax.device_put(jnp.linspace(-1.0, 1.0, 16).reshape(8, 2), sharding)
+        for name, fun in [
+            ("relu", jax.nn.relu),
+            ("logaddexp", lambda x: jnp.logaddexp(x, 0.5)),
+            ("doubled_sin", doubled_sin),
+            ("project", project),
+            ("centred", centred),
+        ]:
+            # The rule on an equation traced with the sharded input, as `jacve`
+            # traces it: primal outputs keep the sharding, partials match JAX.
+            jaxpr = jax.make_jaxpr(fun)(x).jaxpr
+            (eqn,) = [
+                e for e in jaxpr.eqns
+                if e.primitive in (jp.custom_jvp_call_p, jp.custom_vjp_call_p)
+            ]
+            active = [v is jaxpr.invars[0] for v in eqn.invars]
+            primals = [x if a else v.val for v, a in zip(eqn.invars, active)]
+            outs, partials = rules[eqn.primitive](primals, active, **eqn.params)
+            partial = partials[(0, 0)]
+            if "diagonal" in repr(partial):
+                got = np.diag(np.asarray(partial.val).reshape(-1))
+            else:
+                got = np.asarray(partial.dense()).reshape(16, 16)
+            expected = jax.jacrev(fun)(np.asarray(x)).reshape(16, 16)
+            report["rules"][name] = {
+                "out_sharding": str(jax.typeof(outs[0]).sharding.spec),
+                "matches": bool(np.allclose(got, expected, atol=1e-6)),
+                "diagonal": "diagonal" in repr(partial),
+            }
+        model = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.PRNGKey(0))
+        loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)
+        try:
+            value, grads = gx.filter_value_and_jacve(loss)(model, x)
+            ref_value, ref_grads = eqx.filter_value_and_grad(loss)(model, x)
+            leaves = zip(jax.tree.leaves((value, grads)),
+                         jax.tree.leaves((ref_value, ref_grads)))
+            report["mlp"] = {
+                "matches": all(np.allclose(a, b, atol=1e-6) for a, b in leaves)
+            }
+        except Exception:
+            report["mlp"] = {"error": traceback.format_exc()}
+    print("REPORT" + json.dumps(report))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def sharded_report():
+    # A fresh process: the host device count must be set before JAX starts.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARDED_SCRIPT],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (line,) = [l for l in proc.stdout.splitlines() if l.startswith("REPORT")]
+    return json.loads(line[len("REPORT") :])
+
+
+def test_rules_keep_explicit_sharding(sharded_report):
+    rules = sharded_report["rules"]
+    assert set(rules) == {"relu", "logaddexp", "doubled_sin", "project", "centred"}
+    for name, entry in rules.items():
+        assert entry["out_sharding"] == "P('batch', None)", (name, entry)
+        assert entry["matches"], (name, entry)
+    for name in ("relu", "logaddexp", "doubled_sin"):
+        assert rules[name]["diagonal"], name
+    for name in ("project", "centred"):
+        assert not rules[name]["diagonal"], name
+
+
+def test_sharded_mlp(sharded_report):
+    mlp = sharded_report["mlp"]
+    if "error" in mlp:
+        # Failures outside this rule family are tracked elsewhere; one raised from
+        # the custom rules is a failure of this file's subject.
+        assert "_rules/custom.py" not in mlp["error"], mlp["error"]
+        last = [l for l in mlp["error"].splitlines() if "Error" in l.split(":")[0]]
+        pytest.xfail(f"sharded MLP fails outside the custom rules: {last[-1:]}")
+    assert mlp["matches"]
