@@ -5,7 +5,9 @@ the graph sees every primitive. Every variable is a vertex; an equation with sev
 outputs defines several vertices. Variables that do not depend differentiably on a
 differentiated input, or that no output depends on, are pruned. Each output gets an
 output vertex of its own, joined to its variable by an identity edge, so every
-original variable is an intermediate that an order may eliminate.
+original variable is an intermediate that an order may eliminate. Complex variables
+are split into pairs of real ones ([`graphax_eqx._complex.realify`][]), so every vertex
+is real.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from . import _jax_private as jp
+from ._complex import realify
 from ._rules import get_rule, zero_derivative
 from ._sparse import LinearMap, add, diagonal, should_materialise, to_sparse
 
@@ -114,18 +117,16 @@ def inline(closed_jaxpr) -> Program:
     invars = [new_var(v) for v in jaxpr.invars]
     const_atoms = hoist(jaxpr.constvars, closed_jaxpr.consts)
     outvars = visit(jaxpr, const_atoms, invars)
-    return Program(
-        tuple(eqns),
-        tuple(invars),
-        tuple(outvars),
-        avals,
-        tuple(constvars),
-        tuple(consts),
+    return realify(
+        Program(
+            tuple(eqns),
+            tuple(invars),
+            tuple(outvars),
+            avals,
+            tuple(constvars),
+            tuple(consts),
+        )
     )
-
-
-def _is_float_dtype(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,16 +181,6 @@ def analyse(
             for a in eqn.invars:
                 if isinstance(a, int) and a in active:
                     needed.add(a)
-    for eqn in program.eqns:
-        for v in eqn.outvars:
-            if v in needed and not _is_float_dtype(avals[v][1]):
-                raise TypeError(
-                    "`jacve` cannot yet differentiate through complex intermediate "
-                    f"values: `{eqn.prim}` produces a {avals[v][1]} value that "
-                    "depends on the differentiated inputs and reaches an output. "
-                    "Write the computation with real and imaginary parts as separate "
-                    "real arrays, or use `jax.jacrev` for this function."
-                )
     vid: dict[int, int] = {}
     inputs = []
     k = 0

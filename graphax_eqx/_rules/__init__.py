@@ -21,6 +21,10 @@ def get_rule(prim):
     rule = rules.get(prim)
     if rule is not None:
         return rule
+    from .._complex import RealView, realview_rule  # `_complex` builds on this package
+
+    if isinstance(prim, RealView):
+        return realview_rule(prim)
 
     def fallback(primals, active, **params):
         return fallback_rule(prim, primals, active, params)
