@@ -1,0 +1,140 @@
+"""Conventions users bring from JAX and the original graphax, and small faults:
+closed-over values re-read eagerly, argnums as `jax.jacrev`, orders that leave out
+output vertices, weak types, and clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import graphax_eqx as gx
+
+from .helpers import tree_allclose as _tree_allclose
+
+
+def tree_allclose(a, b):
+    return _tree_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+_X = jnp.array([0.3, -1.2, 2.0])
+
+
+def test_closed_over_scalar_is_read_on_every_eager_call():
+    c = 1.0
+    jac = gx.jacve(lambda x: jnp.sin(x) * c)
+    first = jac(_X)
+    c = 2.0
+    second = jac(_X)
+    assert tree_allclose(first, jax.jacrev(lambda x: jnp.sin(x) * 1.0)(_X))
+    assert tree_allclose(second, jax.jacrev(lambda x: jnp.sin(x) * 2.0)(_X))
+
+
+def test_closed_over_array_is_read_on_every_eager_call():
+    jacs = []
+    for w in [jnp.eye(3), 2.0 * jnp.eye(3), jnp.arange(9.0).reshape(3, 3)]:
+        jac = gx.jacve(lambda x: jnp.tanh(w @ x), order="markowitz")
+        jacs.append((jac(_X), jax.jacrev(lambda x: jnp.tanh(w @ x))(_X)))
+    for ours, theirs in jacs:
+        assert tree_allclose(ours, theirs)
+
+
+def test_closed_over_value_is_fixed_under_jit_like_jit():
+    box = {"c": 1.0}
+    jitted = jax.jit(gx.jacve(lambda x: jnp.sin(x) * box["c"]))
+    reference = jax.jit(jax.jacrev(lambda x: jnp.sin(x) * box["c"]))
+    first = jitted(_X), reference(_X)
+    box["c"] = 3.0
+    second = jitted(_X), reference(_X)
+    assert tree_allclose(first[0], first[1])
+    assert tree_allclose(second[0], second[1])  # both keep the traced value
+    assert tree_allclose(second[0], first[0])
+
+
+@pytest.mark.parametrize(
+    "argnums", [range(2), [0, 1], (1, 0), np.int64(1), np.array(0), 1, (1,)]
+)
+def test_argnums_like_jax(argnums):
+    def f(x, y):
+        return jnp.sin(x) * y
+
+    ours = gx.jacve(f, argnums=argnums)(_X, 2.0 * _X)
+    theirs = jax.jacrev(f, argnums=argnums)(_X, 2.0 * _X)
+    assert type(ours) is type(theirs)
+    assert tree_allclose(ours, theirs)
+
+
+def test_order_may_leave_out_output_producers():
+    def f(x):
+        y = jnp.sin(x) * x
+        return jnp.exp(y), jnp.cos(y)
+
+    graph = gx.make_graph(f)(_X)
+    producers = {
+        v.id
+        for e in graph.edges
+        for v in graph.vertices
+        if e.dst in graph.outputs and v.id == e.src
+    }
+    assert producers
+    partial_order = [v for v in graph.intermediates if v not in producers][::-1]
+    ours = gx.jacve(f, order=partial_order)(_X)
+    assert tree_allclose(ours, jax.jacrev(f)(_X))
+    counts = graph.counts(partial_order)
+    assert counts["order"][-len(producers) :] == sorted(producers)
+
+
+def test_order_missing_other_vertices_is_refused():
+    f = lambda x: jnp.exp(jnp.sin(x) * x)
+    graph = gx.make_graph(f)(_X)
+    with pytest.raises(ValueError, match="missing vertices"):
+        gx.jacve(f, order=list(graph.intermediates)[1:])(_X)
+
+
+@pytest.mark.parametrize("order", [{1, 2, 3}, {1: 0, 2: 0, 3: 0}, frozenset({1})])
+def test_unordered_orders_are_refused(order):
+    with pytest.raises(TypeError, match="no order of its own"):
+        gx.jacve(jnp.sin, order=order)
+    with pytest.raises(TypeError, match="no order of its own"):
+        gx.filter_jacve(jnp.sin, order=order)
+
+
+def test_order_names_are_case_insensitive():
+    f = lambda x: jnp.sin(x) * jnp.sum(x)
+    assert tree_allclose(gx.jacve(f, order="Markowitz")(_X), jax.jacrev(f)(_X))
+    assert tree_allclose(gx.jacve(f, order="REV")(_X), jax.jacrev(f)(_X))
+
+
+def test_python_scalars_keep_weak_type():
+    f = lambda x, y: x * y
+    for args in [(1.0, 2.0), (1.0, jnp.float32(2.0)), (jnp.float32(1.0), 2.0)]:
+        ours = gx.jacve(f, argnums=(0, 1))(*args)
+        theirs = jax.jacrev(f, argnums=(0, 1))(*args)
+        assert [o.weak_type for o in ours] == [t.weak_type for t in theirs]
+        assert [o.dtype for o in ours] == [t.dtype for t in theirs]
+    value, _ = gx.value_and_jacve(lambda x: 2 * x)(1.0)
+    assert value.weak_type == jax.value_and_grad(lambda x: 2 * x)(1.0)[0].weak_type
+
+
+def test_has_aux_single_output_message():
+    with pytest.raises(TypeError, match=r"pair `\(output, aux\)`.*single array"):
+        gx.jacve(jnp.sin, has_aux=True)(_X)
+
+
+def test_string_output_is_an_output_problem():
+    with pytest.raises(TypeError, match="output of type str"):
+        gx.jacve(lambda x: "abc")(_X)
+
+
+def test_graph_counts_names_itself():
+    graph = gx.make_graph(jnp.sin)(_X)
+    with pytest.raises(ValueError, match="`Graph.counts`"):
+        graph.counts("bogus")
+
+
+def test_constant_scaled_identity_is_shown_as_such():
+    graph = gx.make_graph(lambda x: 2.0 * x + x)(_X)
+    structures = [e.structure for e in graph.edges]
+    assert any("c·identity" in s for s in structures)
+    assert any("val=1; a: identity" in s for s in structures)
+    st = gx.jacve(lambda x: 2.0 * x, sparse_representation=True)(_X)
+    assert "identity" in repr(st)
