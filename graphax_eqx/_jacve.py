@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.sharding import NamedSharding
 
 from . import _jax_private as jp
 from ._eliminate import real_add, real_product, run_order, sim_edge, simulate
@@ -361,18 +362,33 @@ def _block(edge, dtype, sparse):
     return st.dense().astype(dtype)
 
 
-def _assemble(prep: _Prepared, graph: EdgeGraph, as_tuple: bool, sparse: bool):
-    traced = prep.traced
-    structure = traced.structure
-    # Input vertices are numbered in flat-leaf order, whatever the order of argnums.
-    diff_leaves = sorted(
+def _diff_leaves(prep: _Prepared) -> list[int]:
+    return sorted(
         j
         for k in prep.argnums
         for j in range(
             prep.arg_offsets[k], prep.arg_offsets[k] + prep.arg_trees[k].num_leaves
         )
     )
-    input_vid = dict(zip(diff_leaves, structure.inputs, strict=True))
+
+
+def _block_keys(prep: _Prepared) -> list[tuple[int, int]]:
+    """`(output, leaf)` of each Jacobian leaf, in the order `_assemble` makes them."""
+    return [
+        (o, j)
+        for o in range(prep.traced.num_out)
+        for k in prep.argnums
+        for j in range(
+            prep.arg_offsets[k], prep.arg_offsets[k] + prep.arg_trees[k].num_leaves
+        )
+    ]
+
+
+def _assemble(prep: _Prepared, graph: EdgeGraph, as_tuple: bool, sparse: bool):
+    traced = prep.traced
+    structure = traced.structure
+    # Input vertices are numbered in flat-leaf order, whatever the order of argnums.
+    input_vid = dict(zip(_diff_leaves(prep), structure.inputs, strict=True))
     per_output = []
     for o in range(traced.num_out):
         out_vid = structure.outputs[o]
@@ -413,6 +429,156 @@ def _outputs(prep: _Prepared, flat_out):
     return out, aux
 
 
+def _run(prep: _Prepared, order_spec, as_tuple: bool, sparse: bool):
+    flat_out, graph, counts = _eliminate(prep, order_spec)
+    jac = _assemble(prep, graph, as_tuple, sparse)
+    out, aux = _outputs(prep, flat_out)
+    return jac, out, aux, counts
+
+
+#
+# Sharded inputs.
+#
+# On a mesh with explicit axes every operation's sharding is type-checked. The
+# engine's products, masks and identity blocks combine an input's sharding with new
+# axes in ways that check refuses (a diagonal's value sharded on one axis meets an
+# iota sharded on another; a contraction over axes sharded on both sides), while the
+# partitioner places them well by itself. So, rather than make every emitted operation
+# sharding-aware, the engine runs with the explicit axes turned auto (the equations of
+# the traced program converted to that mesh), and its results are resharded to the
+# types `jax.jacrev` gives: values as the function's outputs, Jacobian leaves as
+# `jax.jacrev`'s, read from an abstract `jax.jacrev` of the traced program.
+#
+
+
+def _run_program(program: Program, leaves) -> list:
+    """The primal outputs of `program` (its equations bound as traced)."""
+    env: dict[int, Any] = dict(zip(program.constvars, program.consts, strict=True))
+    env.update(zip(program.invars, leaves, strict=True))
+
+    def read(atom):
+        return atom.value if isinstance(atom, Lit) else env[atom]
+
+    for eqn in program.eqns:
+        outs = jp.bind(eqn.prim, eqn.params, *[read(a) for a in eqn.invars])
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(a) for a in program.outvars]
+
+
+def _jacrev_shardings(prep: _Prepared, axes: jp.AutoAxes) -> dict[tuple[int, int], Any]:
+    """`{(output, leaf): sharding}` of the leaves `jax.jacrev` would return."""
+    traced = prep.traced
+    diff = _diff_leaves(prep)
+
+    def primal(*leaves):
+        return _run_program(traced.program, leaves)[: traced.num_out]
+
+    try:
+        types = jax.eval_shape(jax.jacrev(primal, argnums=tuple(diff)), *prep.leaves)
+    except Exception:  # where `jax.jacrev` fails, its usual layout, below
+        types = None
+    out = {}
+    for o in range(traced.num_out):
+        out_ndim = len(traced.out_avals[o].shape)
+        for pos, j in enumerate(diff):
+            sharding = None if types is None else types[o][pos].sharding
+            if sharding is None:
+                # `jax.jacrev` maps the pullback over an unsharded basis: the output
+                # axes are unsharded, the input axes sharded as the cotangent, which
+                # is the input's sharding unless the function moves it.
+                leaf = jax.typeof(prep.leaves[j])
+                spec = jp.spec_of(leaf.sharding, leaf.ndim)
+                sharding = NamedSharding(
+                    axes.explicit, jp.trimmed_spec((None,) * out_ndim + spec)
+                )
+            out[(o, j)] = sharding
+    return out
+
+
+def _auto_prep(prep: _Prepared, axes: jp.AutoAxes) -> _Prepared:
+    """`prep` on the auto mesh (call inside `jp.auto_mesh(axes)`)."""
+    program = prep.traced.program
+    program = dataclasses.replace(
+        program,
+        eqns=tuple(
+            dataclasses.replace(e, params=jp.auto_params(e.params, axes, e.prim))
+            for e in program.eqns
+        ),
+        consts=tuple(jp.to_auto(c, axes) for c in program.consts),
+    )
+    traced = dataclasses.replace(prep.traced, program=program)
+    leaves = [jp.to_auto(x, axes) for x in prep.leaves]
+    return dataclasses.replace(prep, traced=traced, leaves=leaves)
+
+
+def _sparse_from_auto(st: SparseTensor, target, axes: jp.AutoAxes) -> SparseTensor:
+    """`st` with its value (and mask) sharded as the dense leaf would be on its axes.
+
+    Each value axis takes the sharding of the last Jacobian axis it indexes (an input
+    axis where it has one, as in `jax.jacrev`'s layout), each mesh axis used once.
+    """
+    p = st.pattern
+    full = jp.spec_of(target, len(p.shape))
+    used: set = set()
+    entries = []
+    for label in p.val_labels:
+        entry = full[max(k for k, c in enumerate(p.labels) if c == label)]
+        names = set(entry if isinstance(entry, tuple) else (entry,)) - {None}
+        if used & names:
+            entry = None
+        used |= names
+        entries.append(entry)
+    sharding = NamedSharding(axes.explicit, jp.trimmed_spec(entries))
+    return jtu.tree_map(lambda v: jp.from_auto(v, sharding, axes), st)
+
+
+def _run_auto(prep: _Prepared, axes: jp.AutoAxes, order_spec, as_tuple, sparse):
+    """`_run` with `axes` turned auto, results resharded as `jax.jacrev`'s."""
+    targets = _jacrev_shardings(prep, axes)
+    with jp.auto_mesh(axes):
+        auto = _auto_prep(prep, axes)
+        flat_out, graph, counts = _eliminate(auto, order_spec)
+        jac = _assemble(auto, graph, as_tuple, sparse)
+    blocks, jac_tree = jtu.tree_flatten(
+        jac, is_leaf=lambda x: isinstance(x, SparseTensor)
+    )
+    keys = _block_keys(prep)
+    assert len(blocks) == len(keys)
+    if sparse:
+        blocks = [_sparse_from_auto(b, targets[k], axes) for b, k in zip(blocks, keys)]
+    else:
+        blocks = [jp.from_auto(b, targets[k], axes) for b, k in zip(blocks, keys)]
+    flat_out = [
+        jp.from_auto(v, getattr(aval, "sharding", None), axes)
+        for v, aval in zip(flat_out, prep.traced.out_avals, strict=True)
+    ]
+    out, aux = _outputs(prep, flat_out)
+    return jtu.tree_unflatten(jac_tree, blocks), out, aux, counts
+
+
+def _eager_layout(prep: _Prepared, jac):
+    """Eager calls on a mesh with auto axes: Jacobian leaves laid out as `jax.jacrev`'s.
+
+    There, shardings are not part of types and the partitioner places results. Eager
+    `jax.jacrev` leaves come out with the output axes unsharded and the input axes
+    sharded as the input, and the engine's, left to itself, often the other way
+    round; under a trace nothing is known about the inputs' placement, so only eager
+    results are moved.
+    """
+    mesh = jp.eager_auto_mesh(prep.leaves)
+    if mesh is None:
+        return jac
+    blocks, tree = jtu.tree_flatten(jac)
+    keys = _block_keys(prep)
+    assert len(blocks) == len(keys)
+    moved = []
+    for block, (o, j) in zip(blocks, keys, strict=True):
+        out_ndim = len(prep.traced.out_avals[o].shape)
+        spec = (None,) * out_ndim + jp.concrete_spec(prep.leaves[j], mesh)
+        moved.append(jax.device_put(block, NamedSharding(mesh, jp.trimmed_spec(spec))))
+    return jtu.tree_unflatten(tree, moved)
+
+
 class _JacVE:
     """The callable returned by `jacve` / `value_and_jacve`."""
 
@@ -433,9 +599,20 @@ class _JacVE:
 
     def __call__(self, *args, **kwargs):
         prep = _prepare(self.fun, args, kwargs, self.argnums, self.has_aux, self.name)
-        flat_out, graph, counts = _eliminate(prep, self.order_spec)
-        jac = _assemble(prep, graph, self.as_tuple, self.sparse)
-        out, aux = _outputs(prep, flat_out)
+        program = prep.traced.program
+        axes = jp.explicit_axes(
+            list(prep.leaves) + list(program.consts), [e.params for e in program.eqns]
+        )
+        if axes is None:
+            jac, out, aux, counts = _run(
+                prep, self.order_spec, self.as_tuple, self.sparse
+            )
+            if not self.sparse:
+                jac = _eager_layout(prep, jac)
+        else:
+            jac, out, aux, counts = _run_auto(
+                prep, axes, self.order_spec, self.as_tuple, self.sparse
+            )
         if self.with_value:
             result = ((out, aux) if self.has_aux else out), jac
         else:

@@ -6,12 +6,36 @@ Checked against JAX 0.10.2. Everything else in the package uses public API
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import math
+import types
 from typing import Any
 
+import jax
 import jax.extend.core as jex_core
+import jax.extend.linear_util as jex_lu
 from jax import lax
+from jax._src import mesh as _mesh_lib, sharding_impls as _sharding_impls
 from jax._src.lax import lax as _lax_internal
 from jax.extend.core import primitives as jex_prims
+from jax.sharding import (
+    AbstractMesh,
+    AxisType,
+    Mesh,
+    NamedSharding,
+    PartitionSpec,
+    get_abstract_mesh,
+    reshard,
+    use_abstract_mesh,
+)
+
+
+try:  # private in JAX 0.10: matched by object, as every primitive here
+    from jax._src.shard_map import shard_map_p
+except ImportError:  # pragma: no cover
+    shard_map_p = None
 
 
 def bind(primitive, params: dict[str, Any], *args) -> list:
@@ -87,3 +111,373 @@ def as_weak_type(x):
     No public API sets `weak_type`; `jax.jacrev` results carry it for weak inputs.
     """
     return _lax_internal._convert_element_type(x, x.dtype, weak_type=True)
+
+
+#
+# Sharding (the `jax.make_mesh` default in JAX 0.10 is Explicit axes).
+#
+# `_jacve.py` runs the engine with the explicit mesh axes turned auto (see there why).
+# The equations of the traced program were typed on the explicit mesh and carry it in
+# their params: meshes and shardings, sub-jaxprs typed on it, and custom-derivative
+# rules that JAX traces lazily on the original avals. To re-bind them on the auto mesh
+# those are converted here. Private names used: `shard_map_p`, the param names of
+# `shard_map`, `custom_jvp_call` and `custom_vjp_call`, and the concrete-mesh context
+# (JAX 0.10.2).
+#
+
+
+def _mesh_of_value(x):
+    try:
+        return _mesh_of_aval(jax.typeof(x))
+    except TypeError:  # not an array: no mesh
+        return None
+
+
+def _nonempty(mesh):
+    return None if mesh is None or mesh.empty else mesh
+
+
+def _mesh_of_aval(aval):
+    return _nonempty(getattr(getattr(aval, "sharding", None), "mesh", None))
+
+
+def _has_explicit(mesh) -> bool:
+    return mesh is not None and AxisType.Explicit in tuple(mesh.axis_types)
+
+
+def _full_spec(spec, ndim: int) -> tuple:
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def _names(entry) -> tuple:
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def spec_of(sharding, ndim: int) -> tuple:
+    """The partition spec of `sharding` for `ndim` axes, one entry per axis."""
+    if getattr(sharding, "spec", None) is None or _nonempty(sharding.mesh) is None:
+        return (None,) * ndim
+    return _full_spec(sharding.spec, ndim)
+
+
+def trimmed_spec(entries) -> PartitionSpec:
+    """A `PartitionSpec` of `entries` without trailing `None`s, as JAX writes specs."""
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoAxes:
+    """An explicit mesh, and the same mesh with its explicit `axes` made auto."""
+
+    explicit: AbstractMesh
+    auto: AbstractMesh
+    axes: tuple[str, ...]
+
+    def spec(self, spec) -> PartitionSpec:
+        """`spec` without the converted axes: a type on the auto mesh."""
+        kept = [tuple(a for a in _names(e) if a not in self.axes) for e in spec]
+        return PartitionSpec(*(k[0] if len(k) == 1 else (k or None) for k in kept))
+
+    def mesh(self, mesh):
+        """`mesh` (abstract or concrete) with the converted axes auto."""
+        if _nonempty(mesh) is None or not set(self.axes) & set(mesh.axis_names):
+            return mesh
+        types = tuple(
+            AxisType.Auto if n in self.axes and t == AxisType.Explicit else t
+            for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        )
+        return mesh.update(axis_types=types)
+
+
+def explicit_axes(values, params_list) -> AutoAxes | None:
+    """The explicit mesh that `values` (arrays, tracers), the context or `params_list`
+    (equation params) use; `None` if there is none, or several (left as they are).
+    """
+    meshes = [_mesh_of_value(x) for x in values]
+    meshes.append(get_abstract_mesh())
+    meshes.extend(_param_meshes(params_list))
+    found = {m.abstract_mesh for m in meshes if _has_explicit(m)}
+    if len(found) != 1:
+        return None
+    (mesh,) = found
+    axes = tuple(
+        n
+        for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == AxisType.Explicit
+    )
+    auto = mesh.update_axis_types({a: AxisType.Auto for a in axes})
+    return AutoAxes(mesh, auto, axes)
+
+
+def _param_meshes(params_list) -> list:
+    """Meshes named by equation params (those inside sub-jaxprs are typed on the
+    meshes of the equation's operands, or named by its own params)."""
+    out = []
+
+    def visit(v):
+        if isinstance(v, (Mesh, AbstractMesh)):
+            out.append(v)
+        elif isinstance(v, NamedSharding):
+            out.append(v.mesh)
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                visit(x)
+
+    for params in params_list:
+        for v in params.values():
+            visit(v)
+    return out
+
+
+@contextlib.contextmanager
+def auto_mesh(axes: AutoAxes):
+    """Work on the auto mesh: the abstract mesh, and the concrete one that eager
+    operations place (and type) new arrays on, which `jax.set_mesh` may have set.
+
+    `jax.set_mesh` itself refuses to run under any transformation (`vmap` included),
+    hence JAX's internal setter (JAX 0.10.2).
+    """
+    concrete = _mesh_lib.get_concrete_mesh()
+    with use_abstract_mesh(axes.auto):
+        if _nonempty(concrete) is None or not _has_explicit(concrete):
+            yield
+        else:
+            with _sharding_impls._internal_use_concrete_mesh(axes.mesh(concrete)):
+                yield
+
+
+def to_auto(x, axes: AutoAxes):
+    """`x` typed on the auto mesh; call inside `auto_mesh(axes)`."""
+    aval = jax.typeof(x)
+    if _mesh_of_aval(aval) is None:
+        return x
+    return reshard(x, axes.spec(spec_of(aval.sharding, aval.ndim)))
+
+
+def from_auto(x, sharding, axes: AutoAxes):
+    """`x`, computed on the auto mesh, resharded to `sharding` on the explicit one."""
+    if _nonempty(getattr(sharding, "mesh", None)) is None:
+        if _mesh_of_aval(jax.typeof(x)) is None:
+            return x
+        sharding = NamedSharding(axes.explicit, PartitionSpec())
+    return reshard(x, sharding)
+
+
+def auto_params(params: dict[str, Any], axes: AutoAxes, prim=None) -> dict[str, Any]:
+    """Equation params with their meshes, shardings and sub-jaxprs on the auto mesh."""
+    if shard_map_p is not None and prim is shard_map_p:
+        return _shard_map_params(params, axes)
+    constraint = prim is lax.sharding_constraint_p
+
+    def convert(v):
+        if isinstance(v, (Mesh, AbstractMesh)):
+            return axes.mesh(v)
+        if isinstance(v, NamedSharding):
+            mesh = axes.mesh(v.mesh)
+            if mesh is v.mesh:
+                return v
+            # Types (`sharding`, `out_sharding`, ...) name explicit axes only; a
+            # constraint keeps its spec, a placement hint on auto axes.
+            return NamedSharding(mesh, v.spec if constraint else axes.spec(v.spec))
+        if isinstance(v, ClosedJaxpr):
+            return _retype(v, axes)
+        if isinstance(v, Jaxpr) and not v.constvars:
+            return _retype(ClosedJaxpr(v, []), axes, allow_consts=False).jaxpr
+        if isinstance(v, (tuple, list)):
+            items = [convert(x) for x in v]
+            if all(x is y for x, y in zip(items, v, strict=True)):
+                return v  # unchanged, with its type (e.g. a NamedTuple of dims)
+            if hasattr(v, "_fields"):
+                return type(v)(*items)
+            return type(v)(items)
+        return v
+
+    out = {k: convert(v) for k, v in params.items()}
+    for name in ("jvp_jaxpr_fun", "fwd_jaxpr_thunk"):
+        if isinstance(out.get(name), jex_lu.WrappedFun):
+            out[name] = _auto_thunk(out[name], axes)
+    return out
+
+
+def _auto_thunk(thunk, axes: AutoAxes):
+    """A custom rule's jaxpr thunk whose jaxprs are converted when made.
+
+    JAX traces the rule on the avals of the original trace, so on the explicit mesh.
+    """
+
+    def made(*zeros):
+        with use_abstract_mesh(axes.explicit):
+            jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
+        closed = _retype(ClosedJaxpr(jaxpr, consts), axes)
+        return (closed.jaxpr, closed.consts, *rest)
+
+    return jex_lu.wrap_init(made, debug_info=thunk.debug_info)
+
+
+def _shard_map_params(params: dict[str, Any], axes: AutoAxes) -> dict[str, Any]:
+    """`shard_map` params on the auto mesh.
+
+    Its body is typed on the mesh with the mapped axes manual and the others as they
+    were, so `jax.shard_map` re-traces it (converted) on the converted mesh.
+    """
+    mesh = params["mesh"]
+    new_mesh = axes.mesh(mesh)
+    body = params["jaxpr"]
+    if new_mesh is mesh or body.constvars:
+        return params
+    in_specs, out_specs = tuple(params["in_specs"]), tuple(params["out_specs"])
+
+    def mapped(*args):
+        return tuple(eval_auto(body, (), args, axes))
+
+    def global_struct(var, spec):
+        aval = var.aval
+        shape = [
+            size * math.prod(mesh.shape[a] for a in _names(entry))
+            for size, entry in zip(aval.shape, _full_spec(spec, aval.ndim), strict=True)
+        ]
+        return jax.ShapeDtypeStruct(tuple(shape), aval.dtype, weak_type=aval.weak_type)
+
+    fn = jax.shard_map(
+        mapped,
+        mesh=new_mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=set(params["newly_manual_axes"]),
+        check_vma=params["check_vma"],
+    )
+    with use_abstract_mesh(axes.auto):
+        structs = [
+            global_struct(v, s) for v, s in zip(body.invars, in_specs, strict=True)
+        ]
+        eqns = [
+            e
+            for e in jax.make_jaxpr(fn)(*structs).jaxpr.eqns
+            if e.primitive is shard_map_p
+        ]
+    return dict(eqns[0].params) if len(eqns) == 1 else params
+
+
+def _retype(closed, axes: AutoAxes, allow_consts: bool = True):
+    """`closed` re-traced on the auto mesh, its equations converted recursively."""
+    jaxpr = closed.jaxpr
+    variables = [*jaxpr.invars, *jaxpr.constvars]
+    variables += [v for e in jaxpr.eqns for v in e.outvars]
+    if not any(_has_explicit(_mesh_of_aval(v.aval)) for v in variables) and not any(
+        _has_explicit(m) for m in _param_meshes(e.params for e in jaxpr.eqns)
+    ):
+        return closed
+
+    def auto_struct(aval):
+        sharding = None
+        if _mesh_of_aval(aval) is not None:
+            spec = axes.spec(spec_of(aval.sharding, aval.ndim))
+            sharding = NamedSharding(axes.mesh(aval.sharding.mesh), spec)
+        return jax.ShapeDtypeStruct(
+            aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type
+        )
+
+    with use_abstract_mesh(axes.auto):
+        structs = [auto_struct(v.aval) for v in jaxpr.invars]
+        out = jax.make_jaxpr(lambda *a: eval_auto(jaxpr, closed.consts, a, axes))(
+            *structs
+        )
+    return closed if out.consts and not allow_consts else out
+
+
+def eval_auto(jaxpr, consts, args, axes: AutoAxes) -> list:
+    """Evaluate an open `jaxpr` on auto-typed `args`, converting every equation."""
+    env: dict[Any, Any] = {}
+
+    def read(a):
+        return a.val if isinstance(a, Literal) else env[a]
+
+    for var, x in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = to_auto(x, axes)
+    for var, x in zip(jaxpr.invars, args, strict=True):
+        env[var] = x
+    for eqn in jaxpr.eqns:
+        params = auto_params(eqn.params, axes, eqn.primitive)
+        outs = bind(eqn.primitive, params, *[read(a) for a in eqn.invars])
+        for var, val in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, DropVar):
+                env[var] = val
+    return [read(a) for a in jaxpr.outvars]
+
+
+def eager_auto_mesh(values):
+    """The one concrete mesh with auto axes that concrete `values` are sharded over.
+
+    `None` if any value is a tracer, or if there is no such mesh, or several.
+    """
+    meshes = set()
+    for x in values:
+        if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+            return None
+        if isinstance(x.sharding, NamedSharding) and not x.sharding.mesh.empty:
+            meshes.add(x.sharding.mesh)
+    if len(meshes) != 1:
+        return None
+    (mesh,) = meshes
+    return None if not isinstance(mesh, Mesh) or _has_explicit(mesh) else mesh
+
+
+def concrete_spec(x, mesh) -> tuple:
+    """The partition spec of concrete `x` on `mesh`, one entry per axis (unsharded
+    where `x` lives elsewhere, e.g. on one device)."""
+    if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
+        return _full_spec(x.sharding.spec, x.ndim)
+    return (None,) * x.ndim
+
+
+# Files of JAX's own wrappers around a custom rule (checked against JAX 0.10.2).
+_RULE_WRAPPERS = (
+    "custom_derivatives.py",
+    "linear_util.py",
+    "partial_eval.py",
+    "api_util.py",
+    "core.py",
+    "api.py",
+)
+
+
+def custom_rule_functions(params: dict[str, Any]) -> tuple:
+    """The Python functions defining the rule of a custom-derivative equation.
+
+    Every trace wraps the rule anew (`WrappedFun`s, memoised closures), but the
+    functions the user (or JAX's `nn` module) wrote are the same objects from trace
+    to trace, so they identify the rule. Empty when none can be found.
+    """
+    found: list = []
+    seen: set[int] = set()
+
+    def walk(obj, depth: int) -> None:
+        if depth > 8 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if hasattr(obj, "f") and hasattr(obj, "transforms"):  # a WrappedFun
+            walk(obj.f, depth + 1)
+        elif isinstance(obj, (tuple, list)):
+            for item in obj:
+                walk(item, depth + 1)
+        elif isinstance(obj, functools.partial):
+            walk(obj.func, depth + 1)
+        elif isinstance(obj, types.FunctionType):
+            if obj.__code__.co_filename.endswith(_RULE_WRAPPERS):
+                for cell in obj.__closure__ or ():
+                    try:
+                        walk(cell.cell_contents, depth + 1)
+                    except ValueError:  # an empty cell
+                        pass
+            else:
+                found.append(obj)
+
+    for name in ("jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk", "bwd"):
+        if name in params:
+            walk(params[name], 0)
+    return tuple(found)

@@ -477,8 +477,10 @@ def _broadcast_val(st: SparseTensor, target_val_labels: tuple[int, ...], target=
     mapping = _label_map(p, target)
     tsizes = target.sizes
     val = np.ones((), st.dtype) if st.val is None else st.val
-    # Each carried source label goes to the first target label on its axes.
-    primary = [mapping[label][0] for label in p.val_labels]
+    # Each carried source label goes to the last target label on its axes: for a tie
+    # being separated, its input axis. Either is exact; on sharded inputs this lets the
+    # partitioner lay dense blocks out as `jax.jacrev`'s (input axes sharded).
+    primary = [mapping[label][-1] for label in p.val_labels]
     assert all(t in target_val_labels for t in primary), (p, target, target_val_labels)
     order = sorted(
         range(len(primary)), key=lambda i: target_val_labels.index(primary[i])

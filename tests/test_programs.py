@@ -18,8 +18,6 @@ import numpy as np
 import pytest
 from jax import lax
 
-import graphax_eqx as gx
-
 from .helpers import ORDERS, check_jacve, reference_jacobians, tolerances
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import OrderedDict
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +108,41 @@ def _propagate(jaxpr, in_deps: list[_Dep], out_shape) -> list[_Dep]:
     return [read(a) for a in jaxpr.outvars]
 
 
+# Decisions of `_rule_is_elementwise`, keyed on the functions defining the rule, the
+# primal body and the operand types: re-tracing the rule is most of the cost of an
+# eager call on a model with custom activations.
+_DECISIONS: OrderedDict = OrderedDict()
+_MAX_DECISIONS = 512
+
+
+def _decision_key(prim, params, primals, wrt, use_vjp):
+    functions = jp.custom_rule_functions(params)
+    if not functions:
+        return None
+    closed = params.get("call_jaxpr")
+    body = str(closed.jaxpr if hasattr(closed, "jaxpr") else closed)
+    types = tuple(str(jax.typeof(x)) for x in primals)
+    return (prim, functions, body, types, tuple(wrt), use_vjp)
+
+
 def _rule_is_elementwise(prim, params, primals, wrt, out, use_vjp) -> bool:
+    try:
+        key = _decision_key(prim, params, primals, wrt, use_vjp)
+        hash(key)
+    except Exception:  # nothing stable to key on: decide afresh
+        key = None
+    if key is not None and key in _DECISIONS:
+        _DECISIONS.move_to_end(key)
+        return _DECISIONS[key]
+    decision = _trace_rule_is_elementwise(prim, params, primals, wrt, out, use_vjp)
+    if key is not None:
+        _DECISIONS[key] = decision
+        if len(_DECISIONS) > _MAX_DECISIONS:
+            _DECISIONS.popitem(last=False)
+    return decision
+
+
+def _trace_rule_is_elementwise(prim, params, primals, wrt, out, use_vjp) -> bool:
     """Whether the custom rule maps tangents of `primals[i]`, `i in wrt`, to the output
     tangent (or the output cotangent back to theirs) elementwise.
 
@@ -194,9 +229,9 @@ def _custom_rule(prim, use_vjp):
             if i in diags:
                 continue
             if i in wrt:
-                diags[i], masks[i] = selected_away(
-                    lambda t, x=x, i=i: jax.jvp(lambda x: f([x], [i]), (x,), (t,))[1], x
-                )
+                # Linearised once; the rule is then applied to two seeds.
+                _, linear = jax.linearize(lambda x, i=i: f([x], [i]), x)
+                diags[i], masks[i] = selected_away(linear, x)
             else:
                 jacobian = jax.jacrev if use_vjp else jax.jacfwd
                 diags[i] = jacobian(lambda x: f([x], [i]))(x)
