@@ -71,17 +71,26 @@ def _check_argnums(argnums: tuple[int, ...], nargs: int, name: str) -> tuple[int
     return tuple(out)
 
 
-def _as_array(x, where: str, name: str):
+def _as_array(x, where: str, name: str, *, output: bool = False):
     if isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
         return x
     try:
         return jnp.asarray(x)
-    except TypeError:
+    except (TypeError, ValueError):  # e.g. a string, which NumPy may parse
+        if output:
+            fix = (
+                f" ({x!r:.60}) from the function, which is not an array. Return arrays "
+                "(or pytrees of arrays) from the function, and other objects through "
+                "`has_aux=True`."
+            )
+        else:
+            fix = (
+                ", which is not an array. Every leaf of the arguments must be a "
+                "JAX/NumPy array or a Python scalar; close over other objects instead "
+                "(or use `graphax_eqx.filter_jacve`)."
+            )
         raise TypeError(
-            f"`{name}` got {where} of type {type(x).__name__}, which is not an array. "
-            "Every leaf of the arguments must be a JAX/NumPy array or a Python "
-            "scalar; close over other objects instead (or use "
-            "`graphax_eqx.filter_jacve`)."
+            f"`{name}` got {where} of type {type(x).__name__}{fix}"
         ) from None
 
 
@@ -234,7 +243,7 @@ def _trace(fun, treedef, leaves, diff_mask, has_aux, name) -> _Traced:
             out, aux = res, None
         out_leaves, out_tree = jtu.tree_flatten(out)
         aux_leaves, aux_tree = jtu.tree_flatten(aux)
-        out_leaves = [_as_output(o, "an output", name) for o in out_leaves]
+        out_leaves = [_as_array(o, "an output", name, output=True) for o in out_leaves]
         for o in out_leaves:
             if not jnp.issubdtype(o.dtype, jnp.floating):
                 raise TypeError(
@@ -242,7 +251,9 @@ def _trace(fun, treedef, leaves, diff_mask, has_aux, name) -> _Traced:
                     f"returned an output of dtype {o.dtype}. Return integer results "
                     "through `has_aux=True` instead."
                 )
-        aux_leaves = [_as_output(a, "an aux output", name) for a in aux_leaves]
+        aux_leaves = [
+            _as_array(a, "an aux output", name, output=True) for a in aux_leaves
+        ]
         store.update(out_tree=out_tree, aux_tree=aux_tree, num_out=len(out_leaves))
         return out_leaves + aux_leaves
 
@@ -263,19 +274,6 @@ def _describe_value(x) -> str:
         aval = x.aval
         return f"a single array of shape {tuple(aval.shape)} and dtype {aval.dtype}"
     return f"an object of type {type(x).__name__}"
-
-
-def _as_output(x, where: str, name: str):
-    if isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-        return x
-    try:
-        return jnp.asarray(x)
-    except TypeError:
-        raise TypeError(
-            f"`{name}` got {where} of type {type(x).__name__} ({x!r:.60}) from the "
-            "function, which is not an array. Return arrays (or pytrees of arrays) "
-            "from the function, and other objects through `has_aux=True`."
-        ) from None
 
 
 def _weak(x) -> bool:

@@ -138,3 +138,8 @@ def test_constant_scaled_identity_is_shown_as_such():
     assert any("val=1; a: identity" in s for s in structures)
     st = gx.jacve(lambda x: 2.0 * x, sparse_representation=True)(_X)
     assert "identity" in repr(st)
+
+
+def test_string_argument_is_an_argument_problem():
+    with pytest.raises(TypeError, match="leaf of argument 1 of type str"):
+        gx.jacve(lambda x, y: x)(_X, "b")

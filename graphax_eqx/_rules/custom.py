@@ -23,7 +23,12 @@ from jax import lax
 from .. import _jax_private as jp
 from .._sparse import with_mask
 from ._base import Partials, active_indices, register, shape_of
-from .elementwise import _broadcast_partial, elementwise_primitives, selected_away
+from .elementwise import (
+    _broadcast_partial,
+    elementwise_primitives,
+    elementwise_zero,
+    selected_away,
+)
 from .fallback import dense_jacobian
 
 
@@ -35,25 +40,6 @@ class _Dep(enum.Enum):
     MIXED = 2  # anything else
 
 
-# Elementwise primitives with no derivative of their own: on the tangent path they
-# still map element k to element k (e.g. `where(t > 0, t, 0)`).
-_ELEMENTWISE_ZERO = {
-    lax.eq_p,
-    lax.ne_p,
-    lax.lt_p,
-    lax.le_p,
-    lax.gt_p,
-    lax.ge_p,
-    lax.floor_p,
-    lax.ceil_p,
-    lax.round_p,
-    lax.sign_p,
-    lax.is_finite_p,
-    lax.and_p,
-    lax.or_p,
-    lax.not_p,
-    lax.xor_p,
-}
 # Identity on values when input and output shapes agree.
 _SHAPE_ONLY = {
     lax.broadcast_in_dim_p,
@@ -61,7 +47,7 @@ _SHAPE_ONLY = {
     lax.squeeze_p,
     lax.sharding_constraint_p,
 }
-_ELEMENTWISE_ANY = elementwise_primitives | _ELEMENTWISE_ZERO
+_ELEMENTWISE_ANY = elementwise_primitives | elementwise_zero
 
 
 def _sub_jaxpr(eqn):

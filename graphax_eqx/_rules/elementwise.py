@@ -238,7 +238,9 @@ def _select_n(primals, active, **params):
 
 elementwise_primitives.add(lax.select_n_p)
 
-register_zero(
+# Elementwise primitives with no derivative of their own: on a tangent path they still
+# map element k to element k (e.g. `where(t > 0, t, 0)`).
+elementwise_zero = {
     lax.eq_p,
     lax.ne_p,
     lax.lt_p,
@@ -250,6 +252,14 @@ register_zero(
     lax.round_p,
     lax.sign_p,
     lax.is_finite_p,
+    lax.and_p,
+    lax.or_p,
+    lax.not_p,
+    lax.xor_p,
+}
+
+register_zero(
+    *elementwise_zero,
     lax.stop_gradient_p if hasattr(lax, "stop_gradient_p") else None,
     lax.iota_p,
     lax.argmax_p,
