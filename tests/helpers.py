@@ -255,3 +255,21 @@ def check_jacve(
     )
     assert_matches_references(result, references, rtol=rtol, atol=atol)
     return result
+
+
+# A custom_vjp whose backward pass is elementwise and differs from the body's
+# derivative (twice it), so a result taken from the body would be wrong.
+@jax.custom_vjp
+def doubled_sin(x):
+    return jnp.sin(x)
+
+
+def _doubled_sin_fwd(x):
+    return jnp.sin(x), jnp.cos(x)
+
+
+def _doubled_sin_bwd(cos_x, g):
+    return (2.0 * cos_x * g,)
+
+
+doubled_sin.defvjp(_doubled_sin_fwd, _doubled_sin_bwd)

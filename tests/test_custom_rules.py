@@ -19,7 +19,12 @@ import pytest
 
 import graphax_eqx as gx
 
-from .helpers import assert_matches_references, check_jacve, reference_jacobians
+from .helpers import (
+    assert_matches_references,
+    check_jacve,
+    doubled_sin,
+    reference_jacobians,
+)
 
 
 ORDERS = ("fwd", "rev", "markowitz", "auto")
@@ -115,22 +120,6 @@ def _scaled_by_total_jvp(primals, tangents):
     # body reduces; the rule wins.
     (x,), (t,) = primals, tangents
     return x * jnp.sum(x), t * jnp.sum(x)
-
-
-@jax.custom_vjp
-def doubled_sin(x):
-    return jnp.sin(x)
-
-
-def _doubled_sin_fwd(x):
-    return jnp.sin(x), jnp.cos(x)
-
-
-def _doubled_sin_bwd(cos_x, g):
-    return (2 * cos_x * g,)
-
-
-doubled_sin.defvjp(_doubled_sin_fwd, _doubled_sin_bwd)
 
 
 @jax.custom_jvp
@@ -399,7 +388,8 @@ _SHARDED_SCRIPT = textwrap.dedent(
     import graphax_eqx as gx
     from graphax_eqx import _jax_private as jp
     from graphax_eqx._rules._base import rules
-    from tests.test_custom_rules import centred, doubled_sin, project
+    from tests.helpers import doubled_sin
+    from tests.test_custom_rules import centred, project
 
     report = {"rules": {}}
     mesh = jax.make_mesh((8,), ("batch",))

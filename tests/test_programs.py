@@ -18,7 +18,13 @@ import numpy as np
 import pytest
 from jax import lax
 
-from .helpers import ORDERS, check_jacve, reference_jacobians, tolerances
+from .helpers import (
+    ORDERS,
+    check_jacve,
+    doubled_sin,
+    reference_jacobians,
+    tolerances,
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -758,22 +764,6 @@ def scaled_product(x, y):
 def _scaled_product_jvp(primals, tangents):
     (x, y), (tx, ty) = primals, tangents
     return x * y, 2.0 * y * tx + 3.0 * x * ty
-
-
-@jax.custom_vjp
-def doubled_sin(x):
-    return jnp.sin(x)
-
-
-def _doubled_sin_fwd(x):
-    return jnp.sin(x), jnp.cos(x)
-
-
-def _doubled_sin_bwd(cos_x, g):
-    return (2.0 * cos_x * g,)
-
-
-doubled_sin.defvjp(_doubled_sin_fwd, _doubled_sin_bwd)
 
 
 @jax.custom_vjp
