@@ -14,12 +14,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._graph import EdgeGraph
+from ._indexed import CooPattern, CooTensor, mixed_sum_plan
 from ._sparse import (
     AnyPattern,
     LinearMap,
     LinearPattern,
     SparseTensor,
     add,
+    plan_has_val,
     product,
     product_plan,
     sum_plan,
@@ -37,20 +39,19 @@ class SimEdge:
 def sim_edge(partial) -> SimEdge:
     if isinstance(partial, LinearMap):
         return SimEdge(partial.pattern, True)
-    assert isinstance(partial, SparseTensor)
+    assert isinstance(partial, (SparseTensor, CooTensor))
     return SimEdge(partial.pattern, partial.val is not None)
 
 
 def sim_product(a: SimEdge, b: SimEdge) -> tuple[SimEdge, int]:
     plan = product_plan(a.pattern, b.pattern, a.has_val, b.has_val)
-    if plan.kind == "einsum":
-        has_val = a.has_val or b.has_val or plan.factor != 1
-    else:
-        has_val = True
-    return SimEdge(plan.pattern, has_val), plan.muls
+    return SimEdge(plan.pattern, plan_has_val(plan, a.has_val, b.has_val)), plan.muls
 
 
 def sim_add(a: SimEdge, b: SimEdge) -> tuple[SimEdge, int]:
+    if isinstance(a.pattern, CooPattern) or isinstance(b.pattern, CooPattern):
+        plan = mixed_sum_plan(a.pattern, b.pattern, a.has_val, b.has_val)
+        return SimEdge(plan.pattern, plan.has_val), plan.adds
     pattern, adds = sum_plan(a.pattern, b.pattern, a.has_val, b.has_val)
     return SimEdge(pattern, True), adds
 

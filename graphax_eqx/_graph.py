@@ -13,9 +13,11 @@ is real.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from . import _jax_private as jp
@@ -250,6 +252,23 @@ class EdgeGraph:
         return out
 
 
+# Integer results up to this many elements are computed at trace time when their
+# operands are known (index arithmetic feeding gathers and scatters).
+_FOLD_SIZE = 1 << 24
+
+
+def _foldable(eqn: Eqn, ins: Sequence[Any], avals) -> bool:
+    if "callback" in str(eqn.prim) or not all(jp.is_concrete(x) for x in ins):
+        return False
+    size = 0
+    for v in eqn.outvars:
+        shape, dtype = avals[v]
+        if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)):
+            return False
+        size += math.prod(shape)
+    return size <= _FOLD_SIZE
+
+
 def evaluate(
     program: Program, structure: Structure, flat_args: Sequence[Any]
 ) -> tuple[list[Any], EdgeGraph, int]:
@@ -292,6 +311,11 @@ def evaluate(
                     partial, n = add(old, partial)
                     adds += n
                 graph.set(u, w, partial)
+        elif _foldable(eqn, ins, program.avals):
+            # Index arithmetic on constants is computed now, so that the index maps
+            # it feeds have static patterns even under `jit`.
+            with jax.ensure_compile_time_eval():
+                outs = jp.bind(eqn.prim, eqn.params, *ins)
         else:
             outs = jp.bind(eqn.prim, eqn.params, *ins)
         for v, val in zip(eqn.outvars, outs, strict=True):

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from . import _jax_private as jp
 from ._eliminate import real_add, real_product, run_order, sim_edge, simulate
 from ._graph import EdgeGraph, Lit, Program, Structure, analyse, evaluate, inline
+from ._indexed import CooTensor
 from ._orders import normalise_order, resolve
 from ._sparse import LinearMap, SparseTensor, from_labeled, to_sparse
 
@@ -352,6 +353,11 @@ def _zero_block(out_shape, in_shape, dtype, sparse):
 
 
 def _block(edge, dtype, sparse):
+    if isinstance(edge, CooTensor):
+        if sparse:
+            val = None if edge.val is None else edge.val.astype(dtype)
+            return CooTensor(val, edge.pattern, jnp.dtype(dtype), edge.mask)
+        return edge.dense().astype(dtype)
     st = to_sparse(edge) if isinstance(edge, LinearMap) else edge
     assert isinstance(st, SparseTensor)
     if sparse:
@@ -509,12 +515,18 @@ def _auto_prep(prep: _Prepared, axes: jp.AutoAxes) -> _Prepared:
     return dataclasses.replace(prep, traced=traced, leaves=leaves)
 
 
-def _sparse_from_auto(st: SparseTensor, target, axes: jp.AutoAxes) -> SparseTensor:
+def _sparse_from_auto(
+    st: SparseTensor | CooTensor, target, axes: jp.AutoAxes
+) -> SparseTensor:
     """`st` with its value (and mask) sharded as the dense leaf would be on its axes.
 
     Each value axis takes the sharding of the last Jacobian axis it indexes (an input
     axis where it has one, as in `jax.jacrev`'s layout), each mesh axis used once.
     """
+    if isinstance(st, CooTensor):
+        # Values laid out by entry: replicated, as no Jacobian axis indexes them.
+        sharding = NamedSharding(axes.explicit, jp.trimmed_spec([]))
+        return jtu.tree_map(lambda v: jp.from_auto(v, sharding, axes), st)
     p = st.pattern
     full = jp.spec_of(target, len(p.shape))
     used: set = set()
@@ -538,7 +550,7 @@ def _run_auto(prep: _Prepared, axes: jp.AutoAxes, order_spec, as_tuple, sparse):
         flat_out, graph, counts = _eliminate(auto, order_spec)
         jac = _assemble(auto, graph, as_tuple, sparse)
     blocks, jac_tree = jtu.tree_flatten(
-        jac, is_leaf=lambda x: isinstance(x, SparseTensor)
+        jac, is_leaf=lambda x: isinstance(x, (SparseTensor, CooTensor))
     )
     keys = _block_keys(prep)
     assert len(blocks) == len(keys)

@@ -38,6 +38,11 @@ except ImportError:  # pragma: no cover
     shard_map_p = None
 
 
+def is_concrete(x) -> bool:
+    """Whether `x` is a value known now (not a tracer of some transformation)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
 def bind(primitive, params: dict[str, Any], *args) -> list:
     """Bind `primitive` as the equation with `params` did; always returns a list.
 

@@ -447,8 +447,8 @@ def linear_map(
     return LinearMap(fn, tfn, LinearPattern(out_shape, in_shape, int(muls)), dtype)
 
 
-Partial = SparseTensor | LinearMap
-AnyPattern = Pattern | LinearPattern
+Partial = Any  # SparseTensor | LinearMap | _indexed.CooTensor
+AnyPattern = Any  # Pattern | LinearPattern | _indexed.CooPattern
 
 
 #
@@ -570,6 +570,8 @@ def _settle(plan: _ProductPlan) -> _ProductPlan:
 def product_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
     """Plan `A · B` for `A: w ← v`, `B: v ← u` from their patterns alone."""
     assert pa.in_shape == pb.out_shape, (pa, pb)
+    if isinstance(pa, _indexed.CooPattern) or isinstance(pb, _indexed.CooPattern):
+        return _indexed.mixed_product_plan(pa, pb, a_val, b_val)
     if isinstance(pa, LinearPattern) and isinstance(pb, LinearPattern):
         p = LinearPattern(
             pa.out_shape, pb.in_shape, pa.muls + pb.muls, pa.size + pb.size
@@ -608,6 +610,22 @@ def product_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
         p = Pattern(pa.out_shape, pb.in_shape, labels, val_labels)
         return _ProductPlan(p, "apply-linear", pb.muls * batch, refined=refined)
     return _sparse_product_plan(pa, pb, a_val, b_val)
+
+
+def has_val(partial: Partial) -> bool:
+    """Whether `partial` stores values (a linear map always counts as storing them)."""
+    if isinstance(partial, (SparseTensor, _indexed.CooTensor)):
+        return partial.val is not None
+    return True
+
+
+def plan_has_val(plan, a_val: bool, b_val: bool) -> bool:
+    """Whether the product `plan` describes stores a value array."""
+    if isinstance(plan, _ProductPlan):
+        if plan.kind == "einsum":
+            return a_val or b_val or plan.factor != 1
+        return True
+    return plan.has_val
 
 
 def _matvec_muls(p: Pattern, has_val: bool) -> int:
@@ -740,9 +758,10 @@ def _result_dtype(a, b):
 
 def product(a: Partial, b: Partial) -> tuple[Partial, int]:
     """`A · B` for `A: w ← v`, `B: v ← u`; returns it and its multiplications."""
-    a_val = not isinstance(a, SparseTensor) or a.val is not None
-    b_val = not isinstance(b, SparseTensor) or b.val is not None
+    a_val, b_val = has_val(a), has_val(b)
     plan = product_plan(a.pattern, b.pattern, a_val, b_val)
+    if not isinstance(plan, _ProductPlan):
+        return _indexed.run_product(a, b, plan, _result_dtype(a, b))
     out, muls = _product(a, b, plan, a_val, b_val)
     if plan.materialise:
         out = to_sparse(out)
@@ -835,6 +854,9 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
 def sum_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
     """The pattern of `A + B` and the number of additions it costs."""
     assert pa.shape == pb.shape, (pa, pb)
+    if isinstance(pa, _indexed.CooPattern) or isinstance(pb, _indexed.CooPattern):
+        plan = _indexed.mixed_sum_plan(pa, pb, a_val, b_val)
+        return plan.pattern, plan.adds
     if isinstance(pa, LinearPattern) or isinstance(pb, LinearPattern):
         ma = pa.muls if isinstance(pa, LinearPattern) else _matvec_muls(pa, a_val)
         mb = pb.muls if isinstance(pb, LinearPattern) else _matvec_muls(pb, b_val)
@@ -878,10 +900,12 @@ def sum_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
 
 def add(a: Partial, b: Partial) -> tuple[Partial, int]:
     """`A + B`; returns the sum and its number of additions."""
-    a_val = not isinstance(a, SparseTensor) or a.val is not None
-    b_val = not isinstance(b, SparseTensor) or b.val is not None
-    target, adds = sum_plan(a.pattern, b.pattern, a_val, b_val)
+    a_val, b_val = has_val(a), has_val(b)
     dtype = _result_dtype(a, b)
+    if isinstance(a, _indexed.CooTensor) or isinstance(b, _indexed.CooTensor):
+        plan = _indexed.mixed_sum_plan(a.pattern, b.pattern, a_val, b_val)
+        return _indexed.run_add(a, b, plan, dtype)
+    target, adds = sum_plan(a.pattern, b.pattern, a_val, b_val)
     if isinstance(target, LinearPattern):
         fa = a.fn if isinstance(a, LinearMap) else functools.partial(matvec, a)
         fb = b.fn if isinstance(b, LinearMap) else functools.partial(matvec, b)
@@ -925,3 +949,6 @@ def to_sparse(partial: Partial) -> SparseTensor:
 
 def materialise_muls(p: LinearPattern) -> int:
     return p.muls * min(math.prod(p.in_shape), math.prod(p.out_shape))
+
+
+from . import _indexed  # noqa: E402  (it builds on the names above)

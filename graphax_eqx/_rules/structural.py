@@ -2,19 +2,74 @@
 
 Those whose Jacobian is a tie pattern (transpose, broadcast, squeeze, unit reshapes)
 become pure-delta partials. Index-moving ones whose Jacobian is a permutation,
-selection or embedding (slice, gather, pad, concatenate, ...) become
-[`graphax_eqx._sparse.LinearMap`][]s: the primitive itself, applied to a neighbouring
-partial during elimination, never an `n × n` matrix.
+selection or embedding (slice, gather, pad, concatenate, scatter-add, ...) become
+static sparse patterns ([`graphax_eqx.CooTensor`][]) when their indices are known at
+trace time: the primitive is run once on an array of positions to read off where each
+entry comes from, and the axes it does not move become ties. With indices computed at
+run time, they stay [`graphax_eqx._sparse.LinearMap`][]s: the primitive itself, applied
+to a neighbouring partial during elimination, never an `n × n` matrix.
 """
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import _jax_private as jp
+from .._indexed import from_entries
 from .._sparse import diagonal, from_labeled, linear_map
-from ._base import register, shape_of
+from ._base import is_float, register, shape_of
+
+
+# Index maps are read off at trace time up to this many entries on either side.
+_MAX_INDEX_MAP = 1 << 26
+
+
+def _small_enough(*shapes) -> bool:
+    return all(0 < math.prod(s) <= _MAX_INDEX_MAP for s in shapes)
+
+
+def _sources(prim, params, args, i):
+    """Where each output of `prim` comes from in `args[i]`: a flat index, or -1.
+
+    For primitives that copy entries of `args[i]` (at most one source per output,
+    zero elsewhere). The other arguments must be known now; float ones are zeroed.
+    `None` when they are not known.
+    """
+    call = []
+    for k, a in enumerate(args):
+        if k == i:
+            n = math.prod(shape_of(a))
+            call.append(np.arange(1, n + 1, dtype=np.int32).reshape(shape_of(a)))
+        elif not jp.is_concrete(a):
+            return None
+        elif is_float(a):
+            call.append(np.zeros(shape_of(a), np.int32))
+        else:
+            call.append(a)
+    with jax.ensure_compile_time_eval():
+        outs = jp.bind(prim, params, *call)
+    return [np.asarray(o).reshape(-1).astype(np.int64) - 1 for o in outs]
+
+
+def _copy_partial(src, out_shape, in_shape, dtype):
+    rows = np.nonzero(src >= 0)[0]
+    return from_entries(out_shape, in_shape, rows, src[rows], dtype)
+
+
+def _index_map_in(prim, params, args, i, out_shape, dtype):
+    """The static sparse partial of `prim` w.r.t. `args[i]`, or `None`."""
+    in_shape = shape_of(args[i])
+    if not _small_enough(in_shape, out_shape):
+        return None
+    srcs = _sources(prim, params, args, i)
+    if srcs is None:
+        return None
+    return _copy_partial(srcs[0], out_shape, in_shape, dtype)
 
 
 def _linear_in(prim, params, args, i, out_shape, dtype, tfn=None, muls=0):
@@ -67,6 +122,12 @@ def _reshape(primals, active, **params):
         labels = _unit_reshape_labels(in_shape, out_shape)
     if labels is not None:
         partial = from_labeled(None, (), out_shape, in_shape, labels, out.dtype)
+    elif (
+        partial := _index_map_in(
+            lax.reshape_p, params, primals, 0, out_shape, out.dtype
+        )
+    ) is not None:
+        pass
     elif params.get("dimensions") is None:
         partial = linear_map(
             lambda t: jnp.reshape(t, out_shape),
@@ -116,7 +177,9 @@ def _single_linear(prim):
         out = prim.bind(*primals, **params)
         if not active[0]:
             return [out], {}
-        partial = _linear_in(prim, params, primals, 0, shape_of(out), out.dtype)
+        partial = _index_map_in(prim, params, primals, 0, shape_of(out), out.dtype)
+        if partial is None:
+            partial = _linear_in(prim, params, primals, 0, shape_of(out), out.dtype)
         return [out], {(0, 0): partial}
 
     return rule
@@ -135,9 +198,13 @@ def _gather(primals, active, **params):
     if "fill_value" in linear_params:
         # Out-of-bounds entries are constants: zero derivative.
         linear_params["fill_value"] = 0
-    partial = _linear_in(
+    partial = _index_map_in(
         lax.gather_p, linear_params, primals, 0, shape_of(out), out.dtype
     )
+    if partial is None:
+        partial = _linear_in(
+            lax.gather_p, linear_params, primals, 0, shape_of(out), out.dtype
+        )
     return [out], {(0, 0): partial}
 
 
@@ -171,9 +238,11 @@ def _dynamic_update_slice(primals, active, **params):
         partials[(0, 0)] = diagonal(mask, shape, out.dtype)
     if active[1]:
         args = [jnp.zeros_like(operand), update, *indices]
-        partials[(0, 1)] = _linear_in(
-            lax.dynamic_update_slice_p, params, args, 1, shape, out.dtype
-        )
+        prim = lax.dynamic_update_slice_p
+        partial = _index_map_in(prim, params, args, 1, shape, out.dtype)
+        if partial is None:
+            partial = _linear_in(prim, params, args, 1, shape, out.dtype)
+        partials[(0, 1)] = partial
     return [out], partials
 
 
@@ -186,11 +255,36 @@ def _scatter_add(primals, active, **params):
     if active[0]:
         partials[(0, 0)] = diagonal(None, shape, out.dtype)
     if active[2]:
-        args = [jnp.zeros_like(operand), indices, updates]
-        partials[(0, 2)] = _linear_in(
-            lax.scatter_add_p, params, args, 2, shape, out.dtype
-        )
+        partial = _scatter_add_map(params, indices, shape_of(updates), shape, out.dtype)
+        if partial is None:
+            args = [jnp.zeros_like(operand), indices, updates]
+            partial = _linear_in(lax.scatter_add_p, params, args, 2, shape, out.dtype)
+        partials[(0, 2)] = partial
     return [out], partials
+
+
+def _scatter_add_map(params, indices, upd_shape, out_shape, dtype):
+    """The static sparse partial of a scatter-add w.r.t. its updates, or `None`.
+
+    Each update lands on at most one output: read the destinations off the transpose
+    (a gather of the output positions), in two exact float32 halves.
+    """
+    if not jp.is_concrete(indices) or not _small_enough(upd_shape, out_shape):
+        return None
+    zeros = np.zeros(out_shape, np.float32)
+    upd = jax.ShapeDtypeStruct(upd_shape, np.float32)
+    position = np.arange(1, math.prod(out_shape) + 1, dtype=np.int64)
+    halves = []
+    with jax.ensure_compile_time_eval():
+        transposed = jax.linear_transpose(
+            lambda u: lax.scatter_add_p.bind(zeros, indices, u, **params), upd
+        )
+        for half in (position >> 12, position & 4095):
+            (ct,) = transposed(half.astype(np.float32).reshape(out_shape))
+            halves.append(np.asarray(ct).reshape(-1).astype(np.int64))
+    dst = (halves[0] << 12) + halves[1] - 1
+    cols = np.nonzero(dst >= 0)[0]
+    return from_entries(out_shape, upd_shape, dst[cols], cols, dtype)
 
 
 @register(lax.scatter_p)
@@ -218,7 +312,10 @@ def _pad(primals, active, **params):
     partials = {}
     if active[0]:
         args = [operand, jnp.zeros_like(padding_value)]
-        partials[(0, 0)] = _linear_in(lax.pad_p, params, args, 0, shape, out.dtype)
+        partial = _index_map_in(lax.pad_p, params, args, 0, shape, out.dtype)
+        if partial is None:
+            partial = _linear_in(lax.pad_p, params, args, 0, shape, out.dtype)
+        partials[(0, 0)] = partial
     if active[1]:
         mask = lax.pad_p.bind(
             jnp.zeros_like(operand), jnp.ones_like(padding_value), **params
@@ -240,7 +337,17 @@ def _concatenate(primals, active, **params):
     offset = 0
     for i, x in enumerate(primals):
         n = shape_of(x)[dim]
-        if active[i]:
+        if active[i] and _small_enough(shape_of(x), shape):
+            starts = [0] * len(shape)
+            starts[dim] = offset
+            in_shape = shape_of(x)
+            src = np.full(shape, -1, np.int64)
+            region = tuple(slice(s, s + k) for s, k in zip(starts, in_shape))
+            src[region] = np.arange(math.prod(in_shape)).reshape(in_shape)
+            partials[(0, i)] = _copy_partial(
+                src.reshape(-1), shape, in_shape, out.dtype
+            )
+        elif active[i]:
             config = [(0, 0, 0)] * len(shape)
             config[dim] = (offset, total - offset - n, 0)
             zero = jnp.zeros((), out.dtype)
@@ -266,7 +373,14 @@ if jp.split_p is not None:
         x = primals[0]
         in_shape = shape_of(x)
         partials = {}
-        if active[0]:
+        if active[0] and _small_enough(in_shape):
+            srcs = _sources(jp.split_p, params, [x], 0)
+            assert srcs is not None
+            for k, out in enumerate(outs):
+                partials[(k, 0)] = _copy_partial(
+                    srcs[k], shape_of(out), in_shape, out.dtype
+                )
+        elif active[0]:
             offset = 0
             for k, out in enumerate(outs):
                 n = shape_of(out)[axis]

@@ -1,0 +1,947 @@
+"""Static sparse patterns: the partials of index-moving primitives.
+
+Slices, pads, concatenates, rolls, gathers and scatter-adds with indices known at trace
+time have Jacobians with a few nonzeros per row. Their partial is a
+[`graphax_eqx.CooTensor`][]: some output axes are *tied* to input axes (the axes the
+primitive does not move, as for elementwise ops), and the remaining *free* axes carry a
+list of `(row, col)` coordinates held in NumPy at trace time.
+
+Products and sums of such partials are planned symbolically at trace time (which
+entries meet, where each product lands) and run as a gather of the value arrays, one
+multiply and a segment sum. Composing pure index maps costs nothing at run time. A
+result whose density passes `DENSE_FRACTION` is stored densely instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import sparse as jsparse
+from jaxtyping import Array
+
+from ._sparse import (
+    Pattern,
+    SparseTensor,
+    _cast,
+    _dtype_str,
+    _transpose,
+    make_pattern,
+)
+
+
+# A product or sum whose free part is denser than this is stored densely: past it, a
+# dense `dot_general` beats gathers and segment sums (measured on CPU, see
+# benchmarks/NOTES.md).
+DENSE_FRACTION = 0.25
+# Free parts with at most this many entries in dense form are always stored densely.
+SMALL_FREE = 64
+# Beyond this many entry pairs, a product is not planned entry by entry.
+MAX_PAIRS = 1 << 26
+
+
+def _index_dtype(n: int):
+    return np.int32 if n < 2**31 else np.int64
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CooPattern:
+    """The static structure of a [`graphax_eqx.CooTensor`][].
+
+    `ties` pairs an output axis with an input axis of equal size (ascending output
+    axis); `varying[t]` says whether the value varies along tie `t`. Every other axis is
+    free: `rows[e]` / `cols[e]` are the flat (row-major) indices of entry `e` over the
+    free output / input axes, in ascending axis order. Entries are distinct. The value
+    array, when there is one, has shape `(size of each varying tie..., nnz)`.
+    """
+
+    out_shape: tuple[int, ...]
+    in_shape: tuple[int, ...]
+    ties: tuple[tuple[int, int], ...]
+    varying: tuple[bool, ...]
+    rows: np.ndarray
+    cols: np.ndarray
+
+    def __post_init__(self):
+        assert len(self.ties) == len(self.varying)
+        assert self.rows.shape == self.cols.shape and self.rows.ndim == 1
+        self.rows.flags.writeable = False
+        self.cols.flags.writeable = False
+
+    @functools.cached_property
+    def _key(self):
+        h = hashlib.blake2b(digest_size=16)
+        h.update(np.ascontiguousarray(self.rows, np.int64).tobytes())
+        h.update(b"|")
+        h.update(np.ascontiguousarray(self.cols, np.int64).tobytes())
+        return (self.out_shape, self.in_shape, self.ties, self.varying, h.digest())
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, CooPattern) and self._key == other._key
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.out_shape + self.in_shape
+
+    @functools.cached_property
+    def out_free(self) -> tuple[int, ...]:
+        tied = {o for o, _ in self.ties}
+        return tuple(k for k in range(len(self.out_shape)) if k not in tied)
+
+    @functools.cached_property
+    def in_free(self) -> tuple[int, ...]:
+        tied = {i for _, i in self.ties}
+        return tuple(k for k in range(len(self.in_shape)) if k not in tied)
+
+    @property
+    def out_free_shape(self) -> tuple[int, ...]:
+        return tuple(self.out_shape[k] for k in self.out_free)
+
+    @property
+    def in_free_shape(self) -> tuple[int, ...]:
+        return tuple(self.in_shape[k] for k in self.in_free)
+
+    @property
+    def n_out_free(self) -> int:
+        return math.prod(self.out_free_shape)
+
+    @property
+    def n_in_free(self) -> int:
+        return math.prod(self.in_free_shape)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def tie_sizes(self) -> tuple[int, ...]:
+        return tuple(self.out_shape[o] for o, _ in self.ties)
+
+    @property
+    def val_shape(self) -> tuple[int, ...]:
+        sizes = [s for s, v in zip(self.tie_sizes, self.varying, strict=True) if v]
+        return tuple(sizes) + (self.nnz,)
+
+    @property
+    def val_size(self) -> int:
+        return math.prod(self.val_shape)
+
+    @property
+    def structural_nnz(self) -> int:
+        return self.nnz * math.prod(self.tie_sizes)
+
+    @property
+    def density(self) -> float:
+        return self.nnz / max(1, self.n_out_free * self.n_in_free)
+
+    def with_varying(self, varying) -> CooPattern:
+        varying = tuple(bool(v) for v in varying)
+        if varying == self.varying:
+            return self
+        return CooPattern(
+            self.out_shape, self.in_shape, self.ties, varying, self.rows, self.cols
+        )
+
+
+class CooTensor(eqx.Module):
+    """A sparse Jacobian block of shape `out_shape + in_shape` with static indices.
+
+    Returned by [`graphax_eqx.jacve`][] with `sparse_representation=True` where
+    index-moving primitives (slices, pads, rolls, gathers, scatter-adds, ...) shaped the
+    Jacobian. Axes the primitives did not move are *tied*: the block is zero off their
+    diagonal. The other (*free*) axes store one value per structural nonzero, at the
+    coordinates `pattern.rows` / `pattern.cols` known at trace time.
+
+    It is a pytree whose children are the value array (and mask), so it passes through
+    `jax.jit`, `jax.vmap` and `eqx.filter_jit`.
+
+    **Attributes:**
+
+    - `val`: `None` when every stored entry is exactly one, else an array of shape
+        `(size of each varying tie..., nnz)`.
+    - `pattern`: the static [`graphax_eqx._indexed.CooPattern`][].
+    - `dtype`: the dtype of the Jacobian.
+    - `mask`: `None`, or a boolean array shaped like `val` marking selected-away
+        entries (see [`graphax_eqx.SparseTensor`][]).
+    """
+
+    val: Array | None
+    pattern: CooPattern = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+    mask: Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the full Jacobian, `out_shape + in_shape`."""
+        return self.pattern.shape
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.pattern.out_shape
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return self.pattern.in_shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nse(self) -> int:
+        """The number of structurally nonzero entries."""
+        return self.pattern.structural_nnz
+
+    def dense(self) -> Array:
+        """The Jacobian as a dense array of shape `out_shape + in_shape`."""
+        return to_labeled(self).dense()
+
+    def todense(self) -> Array:
+        """Alias of [`graphax_eqx.CooTensor.dense`][]."""
+        return self.dense()
+
+    def to_bcoo(self) -> jsparse.BCOO:
+        """The Jacobian as a `jax.experimental.sparse.BCOO` matrix storing exactly the
+        structural nonzeros."""
+        p = self.pattern
+        nties = len(p.ties)
+        tie_grid = np.indices(p.tie_sizes, dtype=np.int64)
+        tie_grid = tie_grid.reshape(nties, math.prod(p.tie_sizes))
+        ntie = tie_grid.shape[1]
+        index = np.zeros((ntie, p.nnz, len(p.shape)), np.int64)
+        nout = len(p.out_shape)
+        for t, (o, i) in enumerate(p.ties):
+            index[:, :, o] = tie_grid[t][:, None]
+            index[:, :, nout + i] = tie_grid[t][:, None]
+        out_c = _unravel(p.rows, p.out_free_shape)
+        in_c = _unravel(p.cols, p.in_free_shape)
+        for k, axis in enumerate(p.out_free):
+            index[:, :, axis] = out_c[k][None, :]
+        for k, axis in enumerate(p.in_free):
+            index[:, :, nout + axis] = in_c[k][None, :]
+        data = _full_val(self, p)
+        index = index.reshape(-1, len(p.shape)).astype(
+            _index_dtype(max(p.shape, default=1))
+        )
+        return jsparse.BCOO((data.reshape(-1), jnp.asarray(index)), shape=p.shape)
+
+    def __repr__(self) -> str:
+        p = self.pattern
+        shape = " ".join(map(str, p.out_shape)) + " | " + " ".join(map(str, p.in_shape))
+        ties = ", ".join(
+            f"{o}~{i}{' diagonal' if v else ''}"
+            for (o, i), v in zip(p.ties, p.varying, strict=True)
+        )
+        val = (
+            "val=1"
+            if self.val is None
+            else "val[" + "x".join(map(str, p.val_shape)) + "]"
+        )
+        return (
+            f"CooTensor({_dtype_str(self.dtype)}[{shape.strip()}], ties=({ties}), "
+            f"nnz={p.nnz} of {p.n_out_free}x{p.n_in_free} free, {val})"
+        )
+
+
+def _full_val(ct: CooTensor, p: CooPattern) -> Array:
+    """The value over `(every tie..., nnz)`, ones where there is no value."""
+    full = p.tie_sizes + (p.nnz,)
+    if ct.val is None:
+        return jnp.ones(full, ct.dtype)
+    dims = tuple(t for t, v in enumerate(p.varying) if v) + (len(p.ties),)
+    val = ct.val
+    if ct.mask is not None:
+        val = lax.select(ct.mask, lax.full_like(val, 0), val)
+    return lax.broadcast_in_dim(val, full, dims)
+
+
+def _unravel(flat: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    if not shape:
+        return ()
+    return tuple(np.asarray(c) for c in np.unravel_index(flat, shape))
+
+
+def _ravel(coords, shape: tuple[int, ...], n: int) -> np.ndarray:
+    if not shape:
+        return np.zeros(n, np.int64)
+    return np.ravel_multi_index(tuple(coords), shape).astype(np.int64)
+
+
+#
+# Building patterns from index maps.
+#
+
+
+def from_entries(
+    out_shape: tuple[int, ...],
+    in_shape: tuple[int, ...],
+    rows: np.ndarray,
+    cols: np.ndarray,
+    dtype,
+):
+    """The partial of a 0/1 map given by its distinct entries `(rows[e], cols[e])`
+    (flat indices over the whole output / input), with ties found automatically.
+
+    Small free parts come back as a [`graphax_eqx.SparseTensor`][] storing a constant
+    array; others as a value-free [`graphax_eqx.CooTensor`][].
+    """
+    out_shape = tuple(int(s) for s in out_shape)
+    in_shape = tuple(int(s) for s in in_shape)
+    rows = np.asarray(rows, np.int64)
+    cols = np.asarray(cols, np.int64)
+    out_c = list(_unravel(rows, out_shape)) if out_shape else []
+    in_c = list(_unravel(cols, in_shape)) if in_shape else []
+    out_axes = list(range(len(out_shape)))
+    in_axes = list(range(len(in_shape)))
+    ties = []
+    for o in range(len(out_shape)):
+        for i in list(in_axes):
+            n = out_shape[o]
+            if in_shape[i] != n:
+                continue
+            ko, ki = out_axes.index(o), in_axes.index(i)
+            if not np.array_equal(out_c[ko], in_c[ki]):
+                continue
+            rest_o = [c for k, c in enumerate(out_c) if k != ko]
+            rest_i = [c for k, c in enumerate(in_c) if k != ki]
+            shape_o = tuple(out_shape[a] for a in out_axes if a != o)
+            shape_i = tuple(in_shape[a] for a in in_axes if a != i)
+            key = _ravel(rest_o, shape_o, len(rows)) * max(1, math.prod(shape_i))
+            key = key + _ravel(rest_i, shape_i, len(rows))
+            if len(key) % n:
+                continue
+            _, counts = np.unique(key, return_counts=True)
+            if not np.all(counts == n):
+                continue
+            keep = out_c[ko] == 0
+            ties.append((o, i))
+            out_c = [c[keep] for k, c in enumerate(out_c) if k != ko]
+            in_c = [c[keep] for k, c in enumerate(in_c) if k != ki]
+            out_axes.remove(o)
+            in_axes.remove(i)
+            rows = rows[keep]
+            break
+    n_entries = len(rows)
+    free_out = tuple(out_shape[a] for a in out_axes)
+    free_in = tuple(in_shape[a] for a in in_axes)
+    r = _ravel(out_c, free_out, n_entries)
+    c = _ravel(in_c, free_in, n_entries)
+    order = np.lexsort((c, r))
+    p = CooPattern(
+        out_shape,
+        in_shape,
+        tuple(ties),
+        (False,) * len(ties),
+        r[order],
+        c[order],
+    )
+    ct = CooTensor(None, p, jnp.dtype(dtype))
+    if _store_dense(p):
+        return to_labeled(ct)
+    return ct
+
+
+def _store_dense(p: CooPattern) -> bool:
+    size = p.n_out_free * p.n_in_free
+    return size <= SMALL_FREE or p.nnz > DENSE_FRACTION * size
+
+
+#
+# Conversions.
+#
+
+
+def _labels_of(p: CooPattern):
+    nties = {o: t for t, (o, _) in enumerate(p.ties)}
+    tiesi = {i: t for t, (_, i) in enumerate(p.ties)}
+    labels = [
+        ("t", nties[k]) if k in nties else ("o", k) for k in range(len(p.out_shape))
+    ]
+    labels += [
+        ("t", tiesi[k]) if k in tiesi else ("i", k) for k in range(len(p.in_shape))
+    ]
+    val_labels = [("t", t) for t, v in enumerate(p.varying) if v]
+    val_labels += [("o", k) for k in p.out_free] + [("i", k) for k in p.in_free]
+    return labels, val_labels
+
+
+@functools.lru_cache(maxsize=4096)
+def labeled_pattern(p: CooPattern) -> tuple[Pattern, tuple[int, ...]]:
+    """The pattern (dense on the free axes) that `to_labeled` gives, and the
+    permutation from the scattered value layout to it."""
+    labels, val_labels = _labels_of(p)
+    return make_pattern(p.out_shape, p.in_shape, tuple(labels), tuple(val_labels))
+
+
+def _scatter_free(val: Array, p: CooPattern, fill) -> Array:
+    """`(vary..., nnz)` values scattered to `(vary..., *out_free, *in_free)`."""
+    lead = tuple(val.shape[:-1])
+    flat = p.rows * p.n_in_free + p.cols
+    size = p.n_out_free * p.n_in_free
+    if p.nnz == size and np.array_equal(flat, np.arange(size)):
+        out = val
+    else:
+        out = jnp.full(lead + (size,), fill, val.dtype)
+        idx = flat.astype(_index_dtype(size))
+        out = out.at[..., idx].set(val, unique_indices=True, indices_are_sorted=True)
+    return lax.reshape(out, lead + p.out_free_shape + p.in_free_shape)
+
+
+def to_labeled(ct: CooTensor) -> SparseTensor:
+    """`ct` as a [`graphax_eqx.SparseTensor`][], dense on its free axes."""
+    p = ct.pattern
+    pattern, perm = labeled_pattern(p)
+    if ct.val is None:
+        flat = np.zeros(p.n_out_free * p.n_in_free, np.dtype(ct.dtype))
+        flat[p.rows * p.n_in_free + p.cols] = 1
+        val = jnp.asarray(flat.reshape(p.out_free_shape + p.in_free_shape))
+        val = _transpose(val, perm)
+        return SparseTensor(val, pattern, ct.dtype)
+    val = _transpose(_scatter_free(ct.val, p, 0), perm)
+    mask = None
+    if ct.mask is not None:
+        mask = _transpose(_scatter_free(ct.mask, p, False), perm)
+    return SparseTensor(_cast(val, ct.dtype), pattern, ct.dtype, mask)
+
+
+@functools.lru_cache(maxsize=4096)
+def _coo_of_labeled(p: Pattern) -> tuple[CooPattern, Callable]:
+    nout = len(p.out_shape)
+    ties, varying, free = [], [], []
+    for label in range(p.num_labels):
+        axes = [k for k, c in enumerate(p.labels) if c == label]
+        if len(axes) == 2:
+            ties.append((axes[0], axes[1] - nout))
+            varying.append(label in p.val_labels)
+        else:
+            free.append(label)
+    sizes = p.sizes
+    free_sizes = tuple(sizes[label] for label in free)
+    grid = np.indices(free_sizes, dtype=np.int64)
+    grid = grid.reshape(len(free), math.prod(free_sizes))
+    n = grid.shape[1]
+    out_free = [k for k in range(nout) if p.labels[k] in free]
+    in_free = [k for k in range(len(p.in_shape)) if p.labels[nout + k] in free]
+    rows = _ravel(
+        [grid[free.index(p.labels[k])] for k in out_free],
+        tuple(p.out_shape[k] for k in out_free),
+        n,
+    )
+    cols = _ravel(
+        [grid[free.index(p.labels[nout + k])] for k in in_free],
+        tuple(p.in_shape[k] for k in in_free),
+        n,
+    )
+    order_t = sorted(range(len(ties)), key=lambda t: ties[t][0])
+    tie_labels = [p.labels[ties[t][0]] for t in order_t]
+    ties = [ties[t] for t in order_t]
+    varying = [varying[t] for t in order_t]
+    coo = CooPattern(p.out_shape, p.in_shape, tuple(ties), tuple(varying), rows, cols)
+    target = [lab for lab, v in zip(tie_labels, varying, strict=True) if v] + free
+    target_shape = tuple(sizes[lab] for lab in target)
+    lead = target_shape[: len(target) - len(free)]
+
+    def convert(val):
+        # `val` is laid out over `p.val_labels` (ascending).
+        present = [lab for lab in target if lab in p.val_labels]
+        val = _transpose(val, [p.val_labels.index(lab) for lab in present])
+        dims = tuple(target.index(lab) for lab in present)
+        if tuple(val.shape) != target_shape:
+            val = lax.broadcast_in_dim(val, target_shape, dims)
+        return lax.reshape(val, lead + (n,))
+
+    return coo, convert
+
+
+def to_coo(st: SparseTensor) -> CooTensor:
+    """`st` as a [`graphax_eqx.CooTensor`][] (exact; its ties stay ties)."""
+    coo, convert = _coo_of_labeled(st.pattern)
+    if st.val is None:
+        return CooTensor(None, coo.with_varying((False,) * len(coo.ties)), st.dtype)
+    mask = None if st.mask is None else convert(st.mask)
+    return CooTensor(convert(st.val), coo, st.dtype, mask)
+
+
+#
+# Untying: moving tied axes into the free part.
+#
+
+
+@functools.lru_cache(maxsize=4096)
+def _untie(p: CooPattern, which: frozenset[int]) -> tuple[CooPattern, Callable]:
+    """`p` with the ties in `which` made free, and the matching value transform."""
+    if not which:
+        return p, lambda val: val
+    gone = sorted(which)
+    keep = [t for t in range(len(p.ties)) if t not in which]
+    ks = tuple(p.tie_sizes[t] for t in gone)
+    k = math.prod(ks)
+    nnz = p.nnz
+    kgrid = _unravel(np.arange(k), ks)
+    out_old = _unravel(p.rows, p.out_free_shape)
+    in_old = _unravel(p.cols, p.in_free_shape)
+    out_free = sorted(p.out_free + tuple(p.ties[t][0] for t in gone))
+    in_free = sorted(p.in_free + tuple(p.ties[t][1] for t in gone))
+
+    def coords(free, old_free, old, side):
+        cs = []
+        for axis in free:
+            if axis in old_free:
+                cs.append(np.repeat(old[old_free.index(axis)], k))
+            else:
+                t = next(t for t in gone if p.ties[t][side] == axis)
+                cs.append(np.tile(kgrid[gone.index(t)], nnz))
+        return cs
+
+    rows = _ravel(
+        coords(out_free, p.out_free, out_old, 0),
+        tuple(p.out_shape[a] for a in out_free),
+        nnz * k,
+    )
+    cols = _ravel(
+        coords(in_free, p.in_free, in_old, 1),
+        tuple(p.in_shape[a] for a in in_free),
+        nnz * k,
+    )
+    new = CooPattern(
+        p.out_shape,
+        p.in_shape,
+        tuple(p.ties[t] for t in keep),
+        tuple(p.varying[t] for t in keep),
+        rows,
+        cols,
+    )
+    vary_old = [t for t in range(len(p.ties)) if p.varying[t]]
+    vary_keep = [t for t in keep if p.varying[t]]
+    # Target layout: (varying kept ties..., nnz, each untied tie...).
+    target = vary_keep + ["nnz"] + [("gone", t) for t in gone]
+    sizes = [p.tie_sizes[t] for t in vary_keep] + [nnz] + list(ks)
+    source = [t if t in keep else ("gone", t) for t in vary_old] + ["nnz"]
+    order = sorted(range(len(source)), key=lambda j: target.index(source[j]))
+    dims = tuple(sorted(target.index(s) for s in source))
+    lead = tuple(p.tie_sizes[t] for t in vary_keep)
+
+    def transform(val):
+        val = _transpose(val, order)
+        if tuple(val.shape) != tuple(sizes):
+            val = lax.broadcast_in_dim(val, tuple(sizes), dims)
+        return lax.reshape(val, lead + (nnz * k,))
+
+    return new, transform
+
+
+#
+# Products.
+#
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CooProductPlan:
+    pattern: Any  # CooPattern, or the labeled Pattern when stored densely
+    coo: CooPattern
+    kind: str
+    muls: int
+    has_val: bool
+    untie_a: Callable
+    untie_b: Callable
+    ia: np.ndarray
+    ib: np.ndarray
+    seg: np.ndarray | None  # segment of each pair, None when no two pairs collide
+    counts: np.ndarray | None  # pairs per entry (value-free operands)
+    a_dims: tuple[int, ...]  # result varying-tie position of each A value axis
+    b_perm: tuple[int, ...]
+    b_dims: tuple[int, ...]
+    densify: bool
+
+
+def _join(cols_a: np.ndarray, rows_b: np.ndarray):
+    """All pairs `(ia, ib)` with `cols_a[ia] == rows_b[ib]`."""
+    order_b = np.argsort(rows_b, kind="stable")
+    sorted_b = rows_b[order_b]
+    lo = np.searchsorted(sorted_b, cols_a, "left")
+    hi = np.searchsorted(sorted_b, cols_a, "right")
+    counts = hi - lo
+    total = int(counts.sum())
+    ia = np.repeat(np.arange(len(cols_a), dtype=np.int64), counts)
+    starts = np.repeat(lo - (np.cumsum(counts) - counts), counts)
+    ib = order_b[starts + np.arange(total, dtype=np.int64)]
+    return ia, ib
+
+
+@functools.lru_cache(maxsize=65536)
+def coo_product_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
+    """Plan `A · B` for `A: w ← v`, `B: v ← u` given as static sparse patterns."""
+    assert pa.in_shape == pb.out_shape, (pa, pb)
+    a_tie_v = {i: t for t, (_, i) in enumerate(pa.ties)}
+    b_tie_v = {o: t for t, (o, _) in enumerate(pb.ties)}
+    pa2, untie_a = _untie(
+        pa, frozenset(t for j, t in a_tie_v.items() if j not in b_tie_v)
+    )
+    pb2, untie_b = _untie(
+        pb, frozenset(t for j, t in b_tie_v.items() if j not in a_tie_v)
+    )
+    assert pa2.in_free == pb2.out_free, (pa2, pb2)
+    ia, ib = _join(pa2.cols, pb2.rows)
+    n_u = pb2.n_in_free
+    keys = pa2.rows[ia] * n_u + pb2.cols[ib]
+    uniq, seg = np.unique(keys, return_inverse=True)
+    seg = seg.reshape(-1)
+    perm = np.argsort(seg, kind="stable")
+    ia, ib, seg = ia[perm], ib[perm], seg[perm]
+    collide = len(uniq) != len(keys)
+    # Result ties, ordered by output axis (A's order).
+    b_by_v = {o: t for t, (o, _) in enumerate(pb2.ties)}
+    ties, varying, b_of = [], [], []
+    for ta, (o, j) in enumerate(pa2.ties):
+        tb = b_by_v[j]
+        ties.append((o, pb2.ties[tb][1]))
+        varying.append((a_val and pa2.varying[ta]) or (b_val and pb2.varying[tb]))
+        b_of.append(tb)
+    counts = None
+    if not a_val and not b_val and collide:
+        counts = np.bincount(seg, minlength=len(uniq))
+    has_val = a_val or b_val or counts is not None
+    coo = CooPattern(
+        pa.out_shape,
+        pb.in_shape,
+        tuple(ties),
+        tuple(varying) if has_val else (False,) * len(ties),
+        uniq // n_u if n_u else uniq,
+        uniq % n_u if n_u else uniq,
+    )
+    res_vary = [t for t, v in enumerate(coo.varying) if v]
+    a_dims = tuple(res_vary.index(t) for t, v in enumerate(pa2.varying) if v and a_val)
+    b_vary = [t for t in range(len(pb2.ties)) if pb2.varying[t]] if b_val else []
+    res_of_b = {tb: t for t, tb in enumerate(b_of)}
+    b_perm = tuple(sorted(range(len(b_vary)), key=lambda k: res_of_b[b_vary[k]]))
+    b_dims = tuple(sorted(res_vary.index(res_of_b[tb]) for tb in b_vary))
+    muls = 0
+    if a_val and b_val:
+        muls = len(ia) * math.prod(coo.tie_sizes[t] for t in res_vary)
+    densify = _store_dense(coo)
+    pattern = labeled_pattern(coo)[0] if densify else coo
+    return CooProductPlan(
+        pattern,
+        coo,
+        "coo",
+        int(muls),
+        True if densify else has_val,
+        untie_a,
+        untie_b,
+        ia,
+        ib,
+        seg if collide else None,
+        counts,
+        a_dims,
+        b_perm,
+        b_dims,
+        densify,
+    )
+
+
+def _segment_sum_last(x: Array, seg: np.ndarray, n: int) -> Array:
+    moved = jnp.moveaxis(x, -1, 0)
+    out = jax.ops.segment_sum(
+        moved, jnp.asarray(seg, _index_dtype(n)), n, indices_are_sorted=True
+    )
+    return jnp.moveaxis(out, 0, -1)
+
+
+def _take_last(x: Array, idx: np.ndarray) -> Array:
+    n = x.shape[-1]
+    if len(idx) == n and np.array_equal(idx, np.arange(n)):
+        return x
+    return jnp.take(x, jnp.asarray(idx, _index_dtype(n)), axis=-1, mode="clip")
+
+
+def coo_product(a: CooTensor, b: CooTensor, plan: CooProductPlan, dtype):
+    p = plan.coo
+    res_vary = tuple(p.tie_sizes[t] for t, v in enumerate(p.varying) if v)
+    npairs = len(plan.ia)
+    shape = res_vary + (npairs,)
+    factors, masks = [], []
+    for x, untie, idx, perm, dims in (
+        (a, plan.untie_a, plan.ia, None, plan.a_dims),
+        (b, plan.untie_b, plan.ib, plan.b_perm, plan.b_dims),
+    ):
+        if x.val is None:
+            continue
+        parts = [x.val] if x.mask is None else [x.val, x.mask]
+        aligned = []
+        for part in parts:
+            part = _take_last(untie(part), idx)
+            if perm is not None:
+                part = _transpose(part, tuple(perm) + (part.ndim - 1,))
+            if tuple(part.shape) != shape:
+                part = lax.broadcast_in_dim(
+                    part, shape, tuple(dims) + (len(shape) - 1,)
+                )
+            aligned.append(part)
+        factors.append(_cast(aligned[0], dtype))
+        if len(aligned) == 2:
+            masks.append(aligned[1])
+    if not factors:
+        if plan.counts is None:
+            val = None
+        else:
+            val = jnp.asarray(plan.counts.astype(np.dtype(dtype)))
+    else:
+        val = factors[0]
+        for f in factors[1:]:
+            val = lax.mul(val, f)
+        for m in masks:
+            val = lax.select(m, lax.full_like(val, 0), val)
+        if plan.seg is not None:
+            val = _segment_sum_last(val, plan.seg, p.nnz)
+    out = CooTensor(val, p, jnp.dtype(dtype))
+    if plan.densify:
+        return to_labeled(out)
+    return out
+
+
+#
+# Sums.
+#
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CooSumPlan:
+    pattern: Any
+    coo: CooPattern
+    adds: int
+    has_val: bool
+    untie_a: Callable
+    untie_b: Callable
+    pos_a: np.ndarray  # for each result entry, its index in A (nnz of A: absent)
+    pos_b: np.ndarray
+    a_dims: tuple[int, ...]
+    b_dims: tuple[int, ...]
+    counts: np.ndarray | None
+    densify: bool
+    nnz_a: int
+    nnz_b: int
+
+
+@functools.lru_cache(maxsize=65536)
+def coo_sum_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
+    assert pa.shape == pb.shape, (pa, pb)
+    common = set(pa.ties) & set(pb.ties)
+    pa2, untie_a = _untie(
+        pa, frozenset(t for t, tie in enumerate(pa.ties) if tie not in common)
+    )
+    pb2, untie_b = _untie(
+        pb, frozenset(t for t, tie in enumerate(pb.ties) if tie not in common)
+    )
+    assert pa2.ties == pb2.ties
+    n_u = pa2.n_in_free
+    ka = pa2.rows * n_u + pa2.cols
+    kb = pb2.rows * n_u + pb2.cols
+    uniq = np.union1d(ka, kb)
+    pos_a = np.full(len(uniq), pa2.nnz, np.int64)
+    pos_a[np.searchsorted(uniq, ka)] = np.arange(pa2.nnz)
+    pos_b = np.full(len(uniq), pb2.nnz, np.int64)
+    pos_b[np.searchsorted(uniq, kb)] = np.arange(pb2.nnz)
+    overlap = pa2.nnz + pb2.nnz - len(uniq)
+    counts = None
+    if not a_val and not b_val and overlap:
+        counts = (pos_a < pa2.nnz).astype(np.int64) + (pos_b < pb2.nnz)
+    has_val = a_val or b_val or counts is not None
+    varying = tuple(
+        (a_val and va) or (b_val and vb)
+        for va, vb in zip(pa2.varying, pb2.varying, strict=True)
+    )
+    coo = CooPattern(
+        pa.out_shape,
+        pa.in_shape,
+        pa2.ties,
+        varying if has_val else (False,) * len(varying),
+        uniq // n_u if n_u else uniq,
+        uniq % n_u if n_u else uniq,
+    )
+    res_vary = [t for t, v in enumerate(coo.varying) if v]
+    a_dims = tuple(res_vary.index(t) for t, v in enumerate(pa2.varying) if v and a_val)
+    b_dims = tuple(res_vary.index(t) for t, v in enumerate(pb2.varying) if v and b_val)
+    adds = overlap * math.prod(coo.tie_sizes[t] for t in res_vary)
+    densify = _store_dense(coo)
+    pattern = labeled_pattern(coo)[0] if densify else coo
+    return CooSumPlan(
+        pattern,
+        coo,
+        int(adds),
+        True if densify else has_val,
+        untie_a,
+        untie_b,
+        pos_a,
+        pos_b,
+        a_dims,
+        b_dims,
+        counts,
+        densify,
+        pa2.nnz,
+        pb2.nnz,
+    )
+
+
+def coo_add(a: CooTensor, b: CooTensor, plan: CooSumPlan, dtype):
+    p = plan.coo
+    res_vary = tuple(p.tie_sizes[t] for t, v in enumerate(p.varying) if v)
+    shape = res_vary + (p.nnz,)
+    if a.val is None and b.val is None:
+        val = None
+        if plan.counts is not None:
+            val = jnp.asarray(plan.counts.astype(np.dtype(dtype)))
+    else:
+        terms = []
+        for x, untie, pos, dims, n in (
+            (a, plan.untie_a, plan.pos_a, plan.a_dims, plan.nnz_a),
+            (b, plan.untie_b, plan.pos_b, plan.b_dims, plan.nnz_b),
+        ):
+            if x.val is None:
+                present = (pos < n).astype(np.dtype(dtype))
+                term = jnp.broadcast_to(jnp.asarray(present), shape)
+            else:
+                v = _cast(untie(x.val), dtype)
+                v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), dtype)], -1)
+                v = _take_last(v, pos)
+                if tuple(v.shape) != shape:
+                    v = lax.broadcast_in_dim(v, shape, tuple(dims) + (len(shape) - 1,))
+                term = v
+            terms.append(term)
+        val = lax.add(*terms)
+    out = CooTensor(val, p, jnp.dtype(dtype))
+    if plan.densify:
+        return to_labeled(out)
+    return out
+
+
+#
+# Meeting the other partials.
+#
+
+# A labeled partial is converted to static coordinates only up to this many entries;
+# past it, the sparse partial is stored densely instead.
+MAX_CONVERT = 1 << 22
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ConvertPlan:
+    """Convert one operand (`"coo"`: to coordinates, `"labeled"`: dense free axes),
+    then run `inner`, the plan of the converted operands."""
+
+    pattern: Any
+    kind: str
+    muls: int
+    adds: int
+    has_val: bool
+    conv_a: str | None
+    conv_b: str | None
+    inner: Any
+
+
+def _free_entries(p: Pattern) -> int:
+    nout = len(p.out_shape)
+    free = [
+        label
+        for label in range(p.num_labels)
+        if not (label in p.labels[:nout] and label in p.labels[nout:])
+    ]
+    return math.prod(p.sizes[label] for label in free)
+
+
+def _converted(pa, pb, a_val: bool, b_val: bool):
+    """Which operand to convert, and the converted patterns."""
+    conv_a = conv_b = None
+    if isinstance(pa, CooPattern) and not isinstance(pb, CooPattern):
+        if isinstance(pb, Pattern) and _free_entries(pb) <= MAX_CONVERT:
+            conv_b, pb = "coo", _coo_pattern_of(pb, b_val)
+        else:
+            conv_a, pa, a_val = "labeled", labeled_pattern(pa)[0], True
+    elif isinstance(pb, CooPattern) and not isinstance(pa, CooPattern):
+        if isinstance(pa, Pattern) and _free_entries(pa) <= MAX_CONVERT:
+            conv_a, pa = "coo", _coo_pattern_of(pa, a_val)
+        else:
+            conv_b, pb, b_val = "labeled", labeled_pattern(pb)[0], True
+    return conv_a, conv_b, pa, pb, a_val, b_val
+
+
+def _coo_pattern_of(p: Pattern, has_val: bool) -> CooPattern:
+    coo = _coo_of_labeled(p)[0]
+    return coo if has_val else coo.with_varying((False,) * len(coo.ties))
+
+
+def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
+    """Plan `A · B` where at least one side is a static sparse pattern."""
+    from ._sparse import plan_has_val, product_plan
+
+    if isinstance(pa, CooPattern) and isinstance(pb, CooPattern):
+        return coo_product_plan(pa, pb, a_val, b_val)
+    conv_a, conv_b, pa, pb, a_val, b_val = _converted(pa, pb, a_val, b_val)
+    inner = product_plan(pa, pb, a_val, b_val)
+    return ConvertPlan(
+        inner.pattern,
+        "convert",
+        inner.muls,
+        0,
+        plan_has_val(inner, a_val, b_val),
+        conv_a,
+        conv_b,
+        inner,
+    )
+
+
+def mixed_sum_plan(pa, pb, a_val: bool, b_val: bool):
+    """Plan `A + B` where at least one side is a static sparse pattern."""
+    from ._sparse import sum_plan
+
+    if isinstance(pa, CooPattern) and isinstance(pb, CooPattern):
+        return coo_sum_plan(pa, pb, a_val, b_val)
+    conv_a, conv_b, pa, pb, a_val, b_val = _converted(pa, pb, a_val, b_val)
+    if isinstance(pa, CooPattern) and isinstance(pb, CooPattern):
+        inner = coo_sum_plan(pa, pb, a_val, b_val)
+        pattern, adds, has_val = inner.pattern, inner.adds, inner.has_val
+    else:
+        inner = None
+        pattern, adds = sum_plan(pa, pb, a_val, b_val)
+        has_val = True
+    return ConvertPlan(pattern, "convert", 0, adds, has_val, conv_a, conv_b, inner)
+
+
+def _convert(x, how: str | None):
+    if how == "coo":
+        return to_coo(x)
+    if how == "labeled":
+        return to_labeled(x)
+    return x
+
+
+def run_product(a, b, plan, dtype):
+    from ._sparse import product
+
+    if isinstance(plan, CooProductPlan):
+        return coo_product(a, b, plan, dtype), plan.muls
+    out, _ = product(_convert(a, plan.conv_a), _convert(b, plan.conv_b))
+    return out, plan.muls
+
+
+def run_add(a, b, plan, dtype):
+    from ._sparse import add
+
+    if isinstance(plan, CooSumPlan):
+        return coo_add(a, b, plan, dtype), plan.adds
+    a, b = _convert(a, plan.conv_a), _convert(b, plan.conv_b)
+    if isinstance(plan.inner, CooSumPlan):
+        return coo_add(a, b, plan.inner, dtype), plan.adds
+    out, _ = add(a, b)
+    return out, plan.adds
