@@ -951,6 +951,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Benchmark graphax_eqx.jacve against jax.jacfwd / jax.jacrev.",
     )
     parser.add_argument(
+        "--suite",
+        choices=("dense", "sparse"),
+        default="dense",
+        help="dense: the tasks below (default); sparse: large sparse Jacobians, "
+        "see `python -m benchmarks --suite sparse --help`",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="few repetitions and small batches, for a smoke test",
@@ -981,6 +988,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
+    suite = argparse.ArgumentParser(add_help=False)
+    suite.add_argument("--suite", choices=("dense", "sparse"), default="dense")
+    chosen, rest = suite.parse_known_args(arguments)
+    if chosen.suite == "sparse":
+        from . import sparse
+
+        return sparse.main(rest)
     options = _parse(arguments)
     settings = QUICK if options.quick else FULL
     if options.tasks:

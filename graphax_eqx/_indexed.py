@@ -39,12 +39,11 @@ from ._sparse import (
 )
 
 
-# A product or sum whose free part is denser than this is stored densely: past it, a
-# dense `dot_general` beats gathers and segment sums (measured on CPU, see
-# benchmarks/NOTES.md).
-DENSE_FRACTION = 0.25
-# Free parts with at most this many entries in dense form are always stored densely.
-SMALL_FREE = 64
+# A product or sum whose free part is denser than this, and large, is stored densely:
+# past it, a dense `dot_general` beats gathers and segment sums (see
+# benchmarks/NOTES.md). Its structural zeros are then stored too.
+DENSE_FRACTION = 0.5
+DENSE_MIN_SIZE = 1 << 14
 # Beyond this many entry pairs, a product is not planned entry by entry.
 MAX_PAIRS = 1 << 26
 
@@ -354,8 +353,17 @@ def from_entries(
 
 
 def _store_dense(p: CooPattern) -> bool:
+    """Whether `p` is better stored dense on its free axes.
+
+    A full free part loses nothing. Otherwise only large, dense free parts are: dense
+    storage stores structural zeros, and a tie that a later sum or product separates
+    turns a dense free part into a dense square block, where coordinates grow only
+    linearly.
+    """
     size = p.n_out_free * p.n_in_free
-    return size <= SMALL_FREE or p.nnz > DENSE_FRACTION * size
+    if p.nnz == size:
+        return True
+    return size >= DENSE_MIN_SIZE and p.nnz > DENSE_FRACTION * size
 
 
 #

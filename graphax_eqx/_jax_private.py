@@ -77,6 +77,8 @@ custom_jvp_call_p = _first("custom_jvp_call_p")
 custom_vjp_call_p = _first("custom_vjp_call_p")
 add_any_p = _first("add_jaxvals_p", "add_any_p")
 split_p = _first("split_p")
+stack_p = _first("stack_p")
+unstack_p = _first("unstack_p")
 optimization_barrier_p = _first("optimization_barrier_p")
 
 Literal = jex_core.Literal

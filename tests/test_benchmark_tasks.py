@@ -1,5 +1,6 @@
-"""The benchmark tasks: `jacve` agrees with `jax.jacrev` on each of them, and the
-benchmark script runs end to end in quick mode."""
+"""The benchmark tasks: `jacve` agrees with `jax.jacrev` on each of them, the
+benchmark script runs end to end in quick mode, and the sparse suite's tasks are
+well-formed."""
 
 import functools
 import subprocess
@@ -8,9 +9,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import graphax_eqx
+from benchmarks.sparse_tasks import SPARSE_TASKS
 from benchmarks.tasks import TASKS
 
 from .helpers import tree_allclose
@@ -67,3 +70,26 @@ def test_quick_run_writes_report(tmp_path):
     assert "| MLP |" in report
     assert "## Failures" not in report, report
     assert (tmp_path / "benchmarks_speedup.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", list(SPARSE_TASKS))
+def test_sparse_task_is_well_formed(name):
+    # At the small size: one array in, one finite array out of the input's dtype,
+    # and forward and reverse mode agree on the Jacobian.
+    task = SPARSE_TASKS[name]
+    fn = task.function(small=True)
+    assert task.function(small=True) is fn
+    x = task.make_input(jnp.float64, small=True)
+    assert x.dtype == jnp.float64
+    assert jnp.array_equal(x, task.make_input(jnp.float64, small=True))
+    assert task.make_input(small=True).dtype == jnp.float32
+    # One compiled program is quicker than op-by-op evaluation of three.
+    y, forward, reverse = jax.jit(
+        lambda x: (fn(x), jax.jacfwd(fn)(x), jax.jacrev(fn)(x))
+    )(x)
+    assert isinstance(y, jax.Array) and y.dtype == x.dtype
+    assert bool(jnp.all(jnp.isfinite(y)))
+    assert forward.shape == y.shape + x.shape
+    assert bool(jnp.all(jnp.isfinite(forward)))
+    assert np.count_nonzero(forward) > 0
+    assert jnp.allclose(forward, reverse, rtol=1e-12, atol=1e-12)

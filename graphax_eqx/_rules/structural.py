@@ -23,6 +23,7 @@ from .. import _jax_private as jp
 from .._indexed import from_entries
 from .._sparse import diagonal, from_labeled, linear_map
 from ._base import is_float, register, shape_of
+from .fallback import fallback_rule
 
 
 # Index maps are read off at trace time up to this many entries on either side.
@@ -45,10 +46,10 @@ def _sources(prim, params, args, i):
         if k == i:
             n = math.prod(shape_of(a))
             call.append(np.arange(1, n + 1, dtype=np.int32).reshape(shape_of(a)))
-        elif not jp.is_concrete(a):
-            return None
         elif is_float(a):
             call.append(np.zeros(shape_of(a), np.int32))
+        elif not jp.is_concrete(a):
+            return None
         else:
             call.append(a)
     with jax.ensure_compile_time_eval():
@@ -399,6 +400,37 @@ if jp.split_p is not None:
                 )
                 offset += n
         return list(outs), partials
+
+
+def _copy_rule(prim):
+    """Rule for a primitive that copies entries of its operands (`stack`, `unstack`):
+    each output entry comes from at most one operand entry."""
+
+    def rule(primals, active, **params):
+        outs = jp.bind(prim, params, *primals)
+        shapes = [shape_of(o) for o in outs]
+        partials = {}
+        for i, a in enumerate(active):
+            if not a:
+                continue
+            srcs = None
+            if _small_enough(shape_of(primals[i]), *shapes):
+                srcs = _sources(prim, params, primals, i)
+            if srcs is None:
+                return fallback_rule(prim, primals, active, params)
+            for k, src in enumerate(srcs):
+                if np.any(src >= 0):
+                    partials[(k, i)] = _copy_partial(
+                        src, shapes[k], shape_of(primals[i]), outs[k].dtype
+                    )
+        return list(outs), partials
+
+    return rule
+
+
+for _prim in (jp.stack_p, jp.unstack_p):
+    if _prim is not None:
+        register(_prim)(_copy_rule(_prim))
 
 
 if jp.optimization_barrier_p is not None:
