@@ -289,17 +289,23 @@ def from_entries(
     rows: np.ndarray,
     cols: np.ndarray,
     dtype,
+    weights: tuple[np.ndarray, Array] | None = None,
 ):
-    """The partial of a 0/1 map given by its distinct entries `(rows[e], cols[e])`
-    (flat indices over the whole output / input), with ties found automatically.
+    """The partial with distinct entries `(rows[e], cols[e])` (flat indices over the
+    whole output / input), with ties found automatically.
 
-    Small free parts come back as a [`graphax_eqx.SparseTensor`][] storing a constant
-    array; others as a value-free [`graphax_eqx.CooTensor`][].
+    Without `weights` every entry is one. With `weights = (index, values)`, entry `e`
+    is `values[index[e]]` (`values` a 1-D array, traced or not); a tie is then only
+    taken where the weights repeat along it.
+
+    Full free parts come back as a [`graphax_eqx.SparseTensor`][]; others as a
+    [`graphax_eqx.CooTensor`][].
     """
     out_shape = tuple(int(s) for s in out_shape)
     in_shape = tuple(int(s) for s in in_shape)
     rows = np.asarray(rows, np.int64)
     cols = np.asarray(cols, np.int64)
+    widx = None if weights is None else np.asarray(weights[0], np.int64)
     out_c = list(_unravel(rows, out_shape)) if out_shape else []
     in_c = list(_unravel(cols, in_shape)) if in_shape else []
     out_axes = list(range(len(out_shape)))
@@ -321,7 +327,9 @@ def from_entries(
             key = key + _ravel(rest_i, shape_i, len(rows))
             if len(key) % n:
                 continue
-            _, counts = np.unique(key, return_counts=True)
+            if widx is not None:
+                key = np.stack([key, widx], axis=1)
+            _, counts = np.unique(key, return_counts=True, axis=0)
             if not np.all(counts == n):
                 continue
             keep = out_c[ko] == 0
@@ -331,6 +339,8 @@ def from_entries(
             out_axes.remove(o)
             in_axes.remove(i)
             rows = rows[keep]
+            if widx is not None:
+                widx = widx[keep]
             break
     n_entries = len(rows)
     free_out = tuple(out_shape[a] for a in out_axes)
@@ -346,7 +356,12 @@ def from_entries(
         r[order],
         c[order],
     )
-    ct = CooTensor(None, p, jnp.dtype(dtype))
+    val = None
+    if weights is not None:
+        assert widx is not None
+        values = jnp.asarray(weights[1])
+        val = _cast(_take_last(values, widx[order]), dtype)
+    ct = CooTensor(val, p, jnp.dtype(dtype))
     if _store_dense(p):
         return to_labeled(ct)
     return ct

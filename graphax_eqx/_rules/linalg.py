@@ -1,11 +1,16 @@
-"""Linear algebra: `dot_general` as tie patterns, convolutions as linear maps."""
+"""Linear algebra: `dot_general` as tie patterns, convolutions as static sparse patterns
+(linear maps past a size)."""
 
 from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from .._indexed import from_entries
 from .._sparse import from_labeled
 from ._base import register, shape_of
 from .structural import _linear_in
@@ -54,6 +59,47 @@ def _dot_general(primals, active, **params):
     return [out], partials
 
 
+# Convolutions get static sparse partials up to this many kernel entries (one
+# convolution per kernel entry at trace time reads off the index map).
+_MAX_CONV_TAPS = 64
+_MAX_CONV_SIZE = 1 << 22
+
+
+def _conv_maps(params, lhs, rhs):
+    """For each kernel entry `t`: the flat lhs index each output reads through it
+    (-1 for none), found by convolving positions with a one-hot kernel.
+
+    `None` when the kernel or the arrays are too large for that.
+    """
+    lhs_shape, rhs_shape = shape_of(lhs), shape_of(rhs)
+    taps = math.prod(rhs_shape)
+    if taps > _MAX_CONV_TAPS or math.prod(lhs_shape) > _MAX_CONV_SIZE:
+        return None
+    conv_params = dict(
+        params,
+        preferred_element_type=np.dtype(np.float32),
+        precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
+    )
+    position = np.arange(1, math.prod(lhs_shape) + 1, dtype=np.int64)
+    halves = [
+        (position >> 12).astype(np.float32).reshape(lhs_shape),
+        (position & 4095).astype(np.float32).reshape(lhs_shape),
+    ]
+    maps = []
+    with jax.ensure_compile_time_eval():
+        for t in range(taps):
+            onehot = np.zeros(taps, np.float32)
+            onehot[t] = 1
+            onehot = onehot.reshape(rhs_shape)
+            hi, lo = (
+                np.asarray(lax.conv_general_dilated_p.bind(h, onehot, **conv_params))
+                for h in halves
+            )
+            src = (hi.astype(np.int64) << 12) + lo.astype(np.int64) - 1
+            maps.append(src.reshape(-1))
+    return maps
+
+
 @register(lax.conv_general_dilated_p)
 def _conv(primals, active, **params):
     lhs, rhs = primals
@@ -62,7 +108,32 @@ def _conv(primals, active, **params):
     rhs_spec = params["dimension_numbers"].rhs_spec
     # Each output entry is a dot product over one kernel's input window.
     muls = math.prod(out_shape) * math.prod(rhs.shape) // rhs.shape[rhs_spec[0]]
+    maps = _conv_maps(params, lhs, rhs) if any(active) else None
     partials = {}
+    if maps is not None:
+        rows = [np.nonzero(src >= 0)[0] for src in maps]
+        srcs = [src[r] for src, r in zip(maps, rows, strict=True)]
+        taps = [np.full(len(r), t) for t, r in enumerate(rows)]
+        rows, srcs, taps = (np.concatenate(x) for x in (rows, srcs, taps))
+        if active[0]:
+            partials[(0, 0)] = from_entries(
+                out_shape,
+                shape_of(lhs),
+                rows,
+                srcs,
+                out.dtype,
+                weights=(taps, jnp.reshape(rhs, (-1,))),
+            )
+        if active[1]:
+            partials[(0, 1)] = from_entries(
+                out_shape,
+                shape_of(rhs),
+                rows,
+                taps,
+                out.dtype,
+                weights=(srcs, jnp.reshape(lhs, (-1,))),
+            )
+        return [out], partials
     for i in (0, 1):
         if active[i]:
             partials[(0, i)] = _linear_in(
