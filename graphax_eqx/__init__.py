@@ -5,6 +5,7 @@ from ._equinox import (
     filter_jacve as filter_jacve,
     filter_value_and_jacve as filter_value_and_jacve,
 )
+from ._indexed import CooTensor as CooTensor
 from ._jacve import (
     Graph as Graph,
     jacve as jacve,

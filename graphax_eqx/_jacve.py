@@ -677,9 +677,12 @@ def jacve(
         dict of Python ints: `"num_muls"`, `"num_adds"`, `"order"` (vertex ids in
         elimination order) and `"order_counts"` (multiplications per eliminated
         vertex).
-    - `sparse_representation`: if `True`, Jacobian leaves are
-        [`graphax_eqx.SparseTensor`][]s keeping their structure (diagonals, ties,
-        broadcasts) instead of dense arrays.
+    - `sparse_representation`: if `True`, Jacobian leaves keep their structure
+        instead of being dense arrays: [`graphax_eqx.SparseTensor`][]s (diagonals,
+        ties, broadcasts) or, where slices, pads, rolls, gathers, scatter-adds or
+        convolutions with indices known at trace time shaped the block,
+        [`graphax_eqx.CooTensor`][]s (ties plus static coordinates). Both have
+        `.dense()` and `.to_bcoo()`.
 
     **Returns:**
 
