@@ -299,7 +299,8 @@ def evaluate(
             outs, partials = get_rule(eqn.prim)(ins, need, **eqn.params)
             for (k, i), partial in partials.items():
                 w = out_vertices[k]
-                if w is None or not need[i]:
+                if w is None or not need[i] or 0 in partial.shape:
+                    # An empty array carries no derivative.
                     continue
                 if isinstance(partial, LinearMap) and should_materialise(
                     partial.pattern
