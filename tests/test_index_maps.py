@@ -1,0 +1,733 @@
+"""Jacobians through primitives that move, gather, scatter or pad indices.
+
+Every case is compared with `jax.jacfwd`, for each elimination order, both as dense
+arrays and as structured blocks (through `.dense()`). Further sections cover index
+arrays computed inside the function, chained stencil programs, the number of stored
+entries of sparse results, composition with JAX transformations, precision, and
+several differentiated arguments.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+from jax import lax
+
+import graphax_eqx
+
+from .helpers import (
+    assert_tree_matches,
+    check_jacve,
+    reference_jacobians,
+    tree_allclose,
+)
+
+
+_ORDERS = ("fwd", "rev", "markowitz", "auto")
+_RTOL = 1e-10
+_ATOL = 1e-10  # scaled by the largest magnitude of the reference
+
+
+# --------------------------------------------------------------------------------------
+# Utilities
+# --------------------------------------------------------------------------------------
+
+
+def _is_block(x):
+    """A structured Jacobian block, as returned with `sparse_representation=True`."""
+    return (
+        not isinstance(x, jax.Array)
+        and callable(getattr(x, "dense", None))
+        and callable(getattr(x, "to_bcoo", None))
+    )
+
+
+def _densify(tree):
+    return jtu.tree_map(lambda block: block.dense(), tree, is_leaf=_is_block)
+
+
+def _uniform(shape, seed=0):
+    """Values in [0.5, 1.5]: no zeros, and `sin`, `cos` and `exp` of them are
+    nonzero."""
+    return jnp.asarray(np.random.default_rng(seed).uniform(0.5, 1.5, shape))
+
+
+def _inputs(*shapes):
+    """An input builder: one float64 array per shape, each from its own seed."""
+
+    def build():
+        return tuple(_uniform(shape, seed=k) for k, shape in enumerate(shapes))
+
+    return build
+
+
+@functools.cache
+def _args(build):
+    return build()
+
+
+@functools.cache
+def _jacfwd(fun, build, argnums):
+    args = _args(build)
+    return reference_jacobians(fun, args, argnums=argnums, refs=("fwd",))["fwd"]
+
+
+def _scale(tree):
+    return max(
+        [1.0]
+        + [
+            float(np.max(np.abs(np.asarray(l, np.float64))))
+            for l in jtu.tree_leaves(tree)
+        ]
+    )
+
+
+def _assert_close(actual, expected, rtol=_RTOL, atol=_ATOL):
+    """Equal structure, shapes, dtypes, and values within `rtol` and `atol` (the
+    latter relative to the largest reference magnitude)."""
+    assert_tree_matches(actual, expected, rtol=rtol, atol=atol)
+    assert tree_allclose(actual, expected, rtol=rtol, atol=atol * _scale(expected))
+
+
+def _assert_blocks(result, expected):
+    """`result` holds one structured block per leaf of `expected`, of its shape."""
+    blocks, block_def = jtu.tree_flatten(result, is_leaf=_is_block)
+    dense, dense_def = jtu.tree_flatten(expected)
+    assert block_def == dense_def
+    for block, leaf in zip(blocks, dense, strict=True):
+        assert _is_block(block), f"not a structured block: {type(block).__name__}"
+        assert tuple(block.shape) == leaf.shape
+
+
+def _check(fun, build, argnums, order, sparse):
+    """`jacve` of `fun` at `build()` against `jax.jacfwd`, dense or via `.dense()`."""
+    args = _args(build)
+    expected = _jacfwd(fun, build, argnums)
+    if not sparse:
+        check_jacve(
+            fun,
+            args,
+            order,
+            argnums=argnums,
+            references={"fwd": expected},
+            rtol=_RTOL,
+            atol=_ATOL,
+        )
+        return
+    result = graphax_eqx.jacve(
+        fun, order=order, argnums=argnums, sparse_representation=True
+    )(*args)
+    _assert_blocks(result, expected)
+    _assert_close(_densify(result), expected)
+
+
+def _case(name, fun, build, argnums=0):
+    return pytest.param(fun, build, argnums, id=name)
+
+
+def _smooth(op):
+    """`op` between two nonlinear elementwise maps, so that Jacobian entries are not
+    plain 0/1 and differ from entry to entry. Works on any pytree `op` returns."""
+
+    def fun(x):
+        return jtu.tree_map(lambda y: jnp.sin(1.3 * y), op(x * x))
+
+    return fun
+
+
+def _in_axis(x, axis, index):
+    """`x[..., index, ...]` with `index` at `axis`."""
+    full = [slice(None)] * x.ndim
+    full[axis] = index
+    return x[tuple(full)]
+
+
+# 2-D inputs are (5, 6), 3-D inputs (3, 4, 5).
+_X1 = _inputs((9,))
+_X2 = _inputs((5, 6))
+_X3 = _inputs((3, 4, 5))
+
+
+def _per_axis(name, op, positions=3):
+    """One 3-D case per axis (or per position, for ops that insert an axis)."""
+    return [
+        _case(f"{name}_ax{axis}_3d", _smooth(functools.partial(op, axis=axis)), _X3)
+        for axis in range(positions)
+    ]
+
+
+# --------------------------------------------------------------------------------------
+# Single index-moving primitives, with constant index data
+# --------------------------------------------------------------------------------------
+
+_IDX = np.array([2, 0, 2, -1, 3, 3])  # repeated and negative entries
+_IDX_COL = np.array([5, 1, 1, -2, 0])
+_K1 = np.array([0.5, -1.25, 0.75])
+_K3 = np.random.default_rng(30).uniform(-1.0, 1.0, (2, 3, 2, 3))
+
+
+def _stack_shifted(x, axis):
+    return jnp.stack([x[1:], 2.0 * x[::-1][1:]], axis=axis)
+
+
+def _take_along(x, axis):
+    rng = np.random.default_rng(axis + 10 * x.ndim)
+    shape = list(x.shape)
+    shape[axis] += 2
+    return jnp.take_along_axis(x, rng.integers(0, x.shape[axis], shape), axis=axis)
+
+
+def _mask(shape):
+    return np.arange(int(np.prod(shape))).reshape(shape) % 3 == 1
+
+
+def _conv2d(x, k):
+    return lax.conv_general_dilated(x[None, None], k, (1, 1), "SAME")
+
+
+def _conv3d(x, k):
+    # Strided, padded and dilated; x acts as (N=1, C=3, H=4, W=5).
+    return lax.conv_general_dilated(
+        x[None], k, (1, 2), ((1, 0), (0, 1)), rhs_dilation=(2, 1)
+    )
+
+
+# Per-axis variants: axis 0, 1, 2 of a 3-D input get different flavours of the op.
+_SLICES = (slice(1, -1), slice(1, None, 2), slice(-1, 0, -2))
+
+
+def _slice_axis(x, axis):
+    return _in_axis(x, axis, _SLICES[axis])
+
+
+def _reverse_axis(x, axis):
+    return lax.rev(x, (axis,)) if axis == 1 else jnp.flip(x, axis=axis)
+
+
+def _diff_axis(x, axis):
+    return jnp.diff(x, n=2 if axis == 1 else 1, axis=axis)
+
+
+def _cumsum_axis(x, axis):
+    return lax.cumsum(x, axis=axis, reverse=axis == 1)
+
+
+_PRIMITIVE_CASES = [
+    # Slices: one axis at a time (the others untouched): interior, strided, reversed
+    # with a stride; then all axes at once, and an integer index.
+    *_per_axis("slice", _slice_axis),
+    _case(
+        "lax_slice_3d",
+        _smooth(lambda x: lax.slice(x, (0, 1, 1), (3, 4, 5), (2, 2, 3))),
+        _X3,
+    ),
+    _case("slice_integer_3d", _smooth(lambda x: x[:, -1, 1:4]), _X3),
+    # Padding, with different widths on the two sides.
+    _case(
+        "pad_constant_3d",
+        _smooth(lambda x: jnp.pad(x, ((1, 2), (0, 1), (2, 0)), constant_values=0.7)),
+        _X3,
+    ),
+    _case(
+        "pad_edge_3d",
+        _smooth(lambda x: jnp.pad(x, ((0, 0), (2, 1), (0, 0)), "edge")),
+        _X3,
+    ),
+    _case(
+        "pad_reflect_2d",
+        _smooth(lambda x: jnp.pad(x, ((1, 2), (2, 3)), "reflect")),
+        _X2,
+    ),
+    _case(
+        "lax_pad_interior_2d",
+        _smooth(lambda x: lax.pad(x, 0.5, ((1, -1, 1), (0, 2, 2)))),
+        _X2,
+    ),
+    # Concatenation, stacking, splitting.
+    *_per_axis(
+        "concatenate",
+        lambda x, axis: jnp.concatenate(
+            [_in_axis(x, axis, slice(1, None)), _in_axis(x, axis, slice(None, 2))],
+            axis=axis,
+        ),
+    ),
+    *_per_axis("stack", _stack_shifted, positions=4),
+    *_per_axis("split", lambda x, axis: jnp.split(x, [2], axis=axis)),
+    # Reversal (`jnp.flip`, and `lax.rev` on axis 1) and rolling.
+    *_per_axis("reverse", _reverse_axis),
+    *_per_axis("roll", lambda x, axis: jnp.roll(x, 1, axis=axis)),
+    # A shift beyond the axis size, and a negative one.
+    _case("roll_two_axes_2d", _smooth(lambda x: jnp.roll(x, (7, -2), (0, 1))), _X2),
+    _case("roll_flat_2d", _smooth(lambda x: jnp.roll(x, 4)), _X2),
+    # Reshapes that merge and split axes; squeeze and expand_dims; transposes.
+    _case("reshape_flat_2d", _smooth(lambda x: x.reshape(-1)), _X2),
+    _case("reshape_merge_3d", _smooth(lambda x: x.reshape(12, 5)), _X3),
+    _case("reshape_regroup_3d", _smooth(lambda x: x.reshape(6, 2, 5)), _X3),
+    _case("squeeze_3d", _smooth(lambda x: jnp.squeeze(x[1:2, :, 3:4], (0, 2))), _X3),
+    _case("expand_dims_3d", _smooth(lambda x: jnp.expand_dims(x, (0, 2, 5))), _X3),
+    _case("transpose_2d", _smooth(lambda x: x.T), _X2),
+    _case("transpose_3d", _smooth(lambda x: jnp.transpose(x, (1, 2, 0))), _X3),
+    # Gathers with constant index arrays.
+    *_per_axis(
+        "take", lambda x, axis: jnp.take(x, _IDX % x.shape[axis] - 1, axis=axis)
+    ),
+    _case("getitem_rows_2d", _smooth(lambda x: x[_IDX]), _X2),
+    _case("getitem_columns_2d", _smooth(lambda x: x[:, _IDX_COL]), _X2),
+    _case(
+        "getitem_pairs_2d",
+        _smooth(lambda x: x[_IDX, np.array([5, 1, 1, -2, 0, 5])]),
+        _X2,
+    ),
+    _case(
+        "getitem_index_matrix_2d",
+        _smooth(lambda x: x[np.array([[0, 4], [4, -1]])]),
+        _X2,
+    ),
+    _case("getitem_mixed_3d", _smooth(lambda x: x[_IDX % 3, 1:3, _IDX % 5]), _X3),
+    *_per_axis("take_along_axis", _take_along),
+    # Dynamic slices and updates with constant starts (some clamped).
+    _case(
+        "dynamic_slice_clamped_2d",
+        _smooth(lambda x: lax.dynamic_slice(x, (4, 5), (2, 3))),
+        _X2,
+    ),
+    _case(
+        "dynamic_slice_3d",
+        _smooth(lambda x: lax.dynamic_slice(x, (1, 0, 2), (2, 3, 2))),
+        _X3,
+    ),
+    _case(
+        "dynamic_update_slice_2d",
+        lambda x, u: jnp.sin(lax.dynamic_update_slice(x * x, jnp.exp(u), (1, 2))),
+        _inputs((5, 6), (2, 3)),
+        (0, 1),
+    ),
+    _case(
+        "dynamic_update_slice_clamped_3d",
+        lambda x, u: jnp.sin(lax.dynamic_update_slice(x * x, u * u, (2, 1, -3))),
+        _inputs((3, 4, 5), (2, 2, 3)),
+        (0, 1),
+    ),
+    # Scatters: add with colliding indices, set with distinct ones.
+    _case(
+        "scatter_add_rows_2d",
+        lambda x, y: jnp.sin((x * x).at[_IDX].add(jnp.exp(y))),
+        _inputs((5, 6), (6, 6)),
+        (0, 1),
+    ),
+    _case(
+        "scatter_add_3d",
+        lambda x, y: jnp.sin((x * x).at[_IDX % 3, :, 2].add(jnp.exp(y))),
+        _inputs((3, 4, 5), (6, 4)),
+        (0, 1),
+    ),
+    _case(
+        "scatter_add_self_3d",
+        lambda x: jnp.sin(x.at[:, np.array([1, 1, 3])].add(x[:, :3] * x[:, 1:4])),
+        _X3,
+    ),
+    _case(
+        "scatter_set_2d",
+        lambda x, y: jnp.sin((x * x).at[np.array([3, 0, -1])].set(jnp.exp(y))),
+        _inputs((5, 6), (3, 6)),
+        (0, 1),
+    ),
+    # Segment sums with constant ids (unsorted with an empty segment; sorted).
+    _case(
+        "segment_sum_2d",
+        _smooth(lambda x: jax.ops.segment_sum(x, np.array([2, 0, 2, 1, 0]), 4)),
+        _X2,
+    ),
+    _case(
+        "segment_sum_sorted_3d",
+        _smooth(
+            lambda x: jax.ops.segment_sum(
+                x, np.array([0, 0, 1]), 2, indices_are_sorted=True
+            )
+        ),
+        _X3,
+    ),
+    # Differences (second differences on axis 1) and cumulative sums (reversed on
+    # axis 1).
+    *_per_axis("diff", _diff_axis),
+    *_per_axis("cumsum", _cumsum_axis),
+    # Convolutions, with a closed-over kernel and with the kernel differentiated.
+    _case(
+        "convolve_rows_2d",
+        _smooth(jax.vmap(lambda row: jnp.convolve(row, _K1, mode="same"))),
+        _X2,
+    ),
+    _case("conv_strided_dilated_3d", _smooth(lambda x: _conv3d(x, _K3)), _X3),
+    _case(
+        "convolve_and_kernel_1d",
+        lambda x, k: jnp.sin(jnp.convolve(x * x, k, mode="full")),
+        _inputs((9,), (3,)),
+        (0, 1),
+    ),
+    _case(
+        "conv_and_kernel_2d",
+        lambda x, k: jnp.sin(_conv2d(x * x, k)),
+        _inputs((5, 6), (2, 1, 3, 3)),
+        (0, 1),
+    ),
+    _case(
+        "conv_kernel_only_3d",
+        lambda x, k: jnp.sin(_conv3d(x, k * k)),
+        _inputs((3, 4, 5), (2, 3, 2, 3)),
+        1,
+    ),
+    # Selection with a constant mask.
+    _case(
+        "where_mask_2d",
+        lambda x: jnp.where(_mask((5, 6)), jnp.sin(x), jnp.cos(x) * x),
+        _X2,
+    ),
+    _case(
+        "where_mask_zero_3d",
+        _smooth(lambda x: jnp.where(_mask((3, 4, 5)), x, 0.0)),
+        _X3,
+    ),
+]
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("order", _ORDERS)
+@pytest.mark.parametrize("fun, build, argnums", _PRIMITIVE_CASES)
+def test_primitive(fun, build, argnums, order, sparse):
+    _check(fun, build, argnums, order, sparse)
+
+
+# --------------------------------------------------------------------------------------
+# Index arrays computed inside the function
+# --------------------------------------------------------------------------------------
+
+_XY = _inputs((5, 6), (5, 6))
+
+
+def _sorted_rows(x, y):
+    return jnp.sin(x[jnp.argsort(y[:, 0])] * y)
+
+
+def _own_sort(x):
+    # The permutation comes from the differentiated argument itself.
+    return jnp.sin(x[jnp.argsort(x[:, 1])]) * x
+
+
+def _sorted_rows_both(x, y):
+    return x[jnp.argsort(y[:, 0])] * jnp.cos(y)
+
+
+def _traced_dynamic_slice(x, y):
+    start = (jnp.argmax(y[:, 0]), jnp.argmin(y[0]))
+    return jnp.sin(lax.dynamic_slice(x * x, start, (2, 3)))
+
+
+def _traced_dynamic_update(x, u, y):
+    start = (jnp.argmin(y[:, 2]), jnp.argmax(y[1]))
+    return jnp.sin(lax.dynamic_update_slice(x * x, jnp.exp(u), start))
+
+
+def _traced_scatter_add(x, u, y):
+    # Three targets for five rows: colliding indices.
+    return jnp.sin((x * x).at[jnp.argsort(y[:, 0]) % 3].add(jnp.exp(u)))
+
+
+def _traced_gather_scatter(x, y):
+    idx = jnp.argsort(y[:, 3])
+    gathered = jnp.sin(x[idx % 4]) * x[(idx + 1) % 5]
+    return jnp.zeros((3, 6), x.dtype).at[idx % 3].add(gathered)
+
+
+_TRACED_CASES = [
+    _case("argsort_other", _sorted_rows, _XY),
+    _case("argsort_self", _own_sort, _X2),
+    _case("argsort_both_args", _sorted_rows_both, _XY, (0, 1)),
+    _case("sort", lambda x: jnp.sin(jnp.sort(x * x, axis=1)), _X2),
+    _case(
+        "take_along_argsort",
+        lambda x, y: jnp.sin(jnp.take_along_axis(x * x, jnp.argsort(y, axis=0), 0)),
+        _XY,
+    ),
+    _case(
+        "columns_argmax",
+        lambda x, y: jnp.sin(x[:, jnp.argmax(y, axis=1)] * x[:, :5]),
+        _XY,
+    ),
+    _case("dynamic_slice", _traced_dynamic_slice, _XY),
+    _case(
+        "dynamic_update_slice",
+        _traced_dynamic_update,
+        _inputs((5, 6), (2, 3), (5, 6)),
+        (0, 1),
+    ),
+    _case("scatter_add", _traced_scatter_add, _inputs((5, 6), (5, 6), (5, 6)), (0, 1)),
+    _case(
+        "segment_sum",
+        lambda x, y: jnp.sin(
+            jax.ops.segment_sum(x * x, jnp.argsort(y[:, 0]) % 3, num_segments=3)
+        ),
+        _XY,
+    ),
+    _case(
+        "roll_shift",
+        lambda x, y: jnp.sin(jnp.roll(x * x, jnp.argmax(y[0]), axis=1)),
+        _XY,
+    ),
+    _case("where_mask", lambda x, y: jnp.where(y > 1.0, jnp.sin(x), x * x), _XY),
+    _case("gather_scatter", _traced_gather_scatter, _XY),
+]
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("order", _ORDERS)
+@pytest.mark.parametrize("fun, build, argnums", _TRACED_CASES)
+def test_traced_indices(fun, build, argnums, order, sparse):
+    _check(fun, build, argnums, order, sparse)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("fun, build, argnums", _TRACED_CASES)
+def test_traced_indices_jit(fun, build, argnums, sparse):
+    jac = jax.jit(graphax_eqx.jacve(fun, argnums=argnums, sparse_representation=sparse))
+    result = jac(*_args(build))
+    expected = _jacfwd(fun, build, argnums)
+    if sparse:
+        _assert_blocks(result, expected)
+        result = _densify(result)
+    _assert_close(result, expected)
+
+
+# --------------------------------------------------------------------------------------
+# Chained programs
+# --------------------------------------------------------------------------------------
+
+
+def _stencil(u):
+    return u[2:] - 2.0 * u[1:-1] + u[:-2] + jnp.sin(u[1:-1]) ** 3
+
+
+def _laplacian(u):
+    # Periodic 5-point Laplacian of each channel of a (C, H, W) state.
+    lap = (
+        jnp.roll(u, 1, axis=1)
+        + jnp.roll(u, -1, axis=1)
+        + jnp.roll(u, 1, axis=2)
+        + jnp.roll(u, -1, axis=2)
+        - 4.0 * u
+    )
+    return lap + u**2
+
+
+def _bratu(u):
+    # Zero Dirichlet boundary through padding.
+    p = jnp.pad(u, 1)
+    lap = p[2:, 1:-1] + p[:-2, 1:-1] + p[1:-1, 2:] + p[1:-1, :-2] - 4.0 * u
+    return lap + 0.5 * jnp.exp(u)
+
+
+def _flux(x):
+    # A batch of states (B, 6) mapped row by row to fluxes (B, 4).
+    return jnp.stack(
+        [
+            x[:, 0] * x[:, 1],
+            x[:, 1] - x[:, 2] ** 2,
+            jnp.sin(x[:, 3]) * x[:, 4],
+            x[:, 5] * x[:, 0],
+        ],
+        axis=1,
+    )
+
+
+_GATHER_A = np.array([0, 2, 2, 4, 1, 4, 6])
+_GATHER_B = np.array([3, 3, 5, 0, 6, 1, 2])
+_SCATTER = np.array([0, 1, 1, 3, 0, 2, 3])
+
+
+def _gather_scatter(x):
+    # Gathers with repeated indices feeding a scatter-add with collisions.
+    gathered = jnp.sin(x[_GATHER_A]) * x[_GATHER_B]
+    return jnp.zeros(4, x.dtype).at[_SCATTER].add(gathered) + x[3:]
+
+
+def _heat(u):
+    # Three explicit steps of periodic heat flow with a small reaction term.
+    for _ in range(3):
+        u = u + 0.1 * (jnp.roll(u, 1) + jnp.roll(u, -1) - 2.0 * u) + 0.05 * jnp.sin(u)
+    return u
+
+
+_STENCIL = _case("stencil", _stencil, _inputs((9,)))
+_LAPLACIAN = _case("laplacian", _laplacian, _inputs((2, 6, 7)))
+_BRATU = _case("bratu", _bratu, _inputs((6, 7)))
+_FLUX = _case("flux", _flux, _inputs((4, 6)))
+_GATHER_SCATTER = _case("gather_scatter", _gather_scatter, _inputs((7,)))
+_HEAT = _case("heat", _heat, _inputs((9,)))
+
+_CHAIN_CASES = [_STENCIL, _LAPLACIAN, _BRATU, _FLUX, _GATHER_SCATTER, _HEAT]
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("order", _ORDERS)
+@pytest.mark.parametrize("fun, build, argnums", _CHAIN_CASES)
+def test_chain(fun, build, argnums, order, sparse):
+    _check(fun, build, argnums, order, sparse)
+
+
+# --------------------------------------------------------------------------------------
+# Stored entries of sparse results
+# --------------------------------------------------------------------------------------
+
+# These programs have no accidental zeros for inputs in [0.5, 1.5]: every entry that
+# can be nonzero by structure is nonzero in value, so `jax.jacfwd`'s count of nonzero
+# entries is the structural count.
+_NO_ACCIDENTAL_ZEROS = [_STENCIL, _LAPLACIAN, _BRATU, _FLUX, _HEAT]
+
+
+@pytest.mark.parametrize("order", _ORDERS)
+@pytest.mark.parametrize("fun, build, argnums", _NO_ACCIDENTAL_ZEROS)
+def test_structural_nonzero_count(fun, build, argnums, order):
+    expected = _jacfwd(fun, build, argnums)
+    jac = graphax_eqx.jacve(fun, order=order, sparse_representation=True)(*_args(build))
+    bcoo = jac.to_bcoo()
+    assert tuple(bcoo.shape) == expected.shape
+    _assert_close(bcoo.todense(), expected)
+    # Asserts the structural nonzero count: the BCOO stores exactly the entries that
+    # can be nonzero, neither dense storage nor explicit zeros nor duplicates.
+    assert bcoo.nse == np.count_nonzero(np.asarray(expected))
+
+
+# --------------------------------------------------------------------------------------
+# Composition with JAX transformations
+# --------------------------------------------------------------------------------------
+
+_TAKE_ALONG_2D = _case(
+    "take_along_axis_2d", _smooth(functools.partial(_take_along, axis=1)), _X2
+)
+
+
+@pytest.mark.parametrize("order", ["rev", "auto"])
+@pytest.mark.parametrize("fun, build, argnums", [*_CHAIN_CASES, _TAKE_ALONG_2D])
+def test_jit_sparse(fun, build, argnums, order):
+    jac = jax.jit(graphax_eqx.jacve(fun, order=order, sparse_representation=True))
+    result = jac(*_args(build))
+    expected = _jacfwd(fun, build, argnums)
+    _assert_blocks(result, expected)
+    _assert_close(result.dense(), expected)
+
+
+@pytest.mark.parametrize(
+    "fun, build, argnums, order",
+    [
+        pytest.param(*_STENCIL.values, "rev", id="stencil-rev"),
+        pytest.param(*_FLUX.values, "auto", id="flux-auto"),
+        pytest.param(
+            *_TAKE_ALONG_2D.values, "markowitz", id="take_along_axis_2d-markowitz"
+        ),
+    ],
+)
+def test_vmap(fun, build, argnums, order):
+    (x,) = _args(build)
+    xs = jnp.stack([x, 1.2 * x - 0.1, 1.4 - 0.5 * x])
+    result = jax.vmap(graphax_eqx.jacve(fun, order=order))(xs)
+    expected = jax.jit(jax.vmap(jax.jacfwd(fun)))(xs)
+    _assert_close(result, expected)
+
+
+@pytest.mark.parametrize(
+    "inner, outer",
+    [("fwd", "rev"), ("markowitz", "auto")],
+)
+def test_second_derivative(inner, outer):
+    u = _uniform((6,), seed=3)
+    second = graphax_eqx.jacve(graphax_eqx.jacve(_stencil, order=inner), order=outer)
+    result = second(u)
+    assert result.shape == (4, 6, 6)
+    _assert_close(result, jax.jacfwd(jax.jacfwd(_stencil))(u))
+
+
+_DTYPE_CASES = [
+    _STENCIL,
+    _case(
+        "scatter_add_rows_2d",
+        lambda x, y: jnp.sin((x * x).at[_IDX].add(jnp.exp(y))),
+        _inputs((5, 6), (6, 6)),
+        (0, 1),
+    ),
+]
+
+# (rtol, atol), atol relative to the largest reference magnitude.
+_DTYPE_TOLERANCES = {
+    "float64": (1e-10, 1e-10),
+    "float32": (1e-5, 1e-5),
+    "bfloat16": (6e-2, 6e-2),
+}
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("fun, build, argnums", _DTYPE_CASES)
+def test_dtype(fun, build, argnums, dtype, sparse):
+    args = tuple(a.astype(dtype) for a in _args(build))
+    result = graphax_eqx.jacve(fun, argnums=argnums, sparse_representation=sparse)(
+        *args
+    )
+    if sparse:
+        result = _densify(result)
+    assert all(leaf.dtype == jnp.dtype(dtype) for leaf in jtu.tree_leaves(result))
+    # bfloat16 is compared in float32, against a float32 reference at the same
+    # (rounded) inputs.
+    compare = jnp.float64 if dtype == "float64" else jnp.float32
+    ref_args = tuple(a.astype(compare) for a in args)
+    expected = jax.jacfwd(fun, argnums=argnums)(*ref_args)
+    result = jtu.tree_map(lambda a: a.astype(compare), result)
+    rtol, atol = _DTYPE_TOLERANCES[dtype]
+    _assert_close(result, expected, rtol=rtol, atol=atol)
+
+
+# --------------------------------------------------------------------------------------
+# Several differentiated arguments and outputs
+# --------------------------------------------------------------------------------------
+
+
+_PAIR_TAKE = np.argsort(np.arange(36).reshape(6, 6) % 5, axis=1)
+
+
+def _pair_scatter(x, y):
+    # x: (5, 6), y: (6, 6)
+    gathered = jnp.take_along_axis(y * y, _PAIR_TAKE, axis=1)
+    return (
+        jnp.sin((x * x).at[_IDX % 5].add(gathered)),
+        jnp.stack([x[0], y[-1], jnp.roll(x[2], 2) * y[3]]),
+    )
+
+
+def _pair_3d(x, y):
+    # x: (3, 4, 5), y: (4, 3)
+    moved = jnp.transpose(x, (1, 0, 2))[:, :, 1:4]
+    return {
+        "product": jnp.sin(moved * jnp.expand_dims(jnp.roll(y, 1, axis=0), -1)),
+        "sum": jnp.cumsum(x[1], axis=0)[::2, :3] + jnp.flip(y.T, 1)[1:, 1:],
+    }
+
+
+def _pair_update(x, y):
+    # x: (5, 6), y: (2, 3): y lands in x, and a slice of x scales y.
+    updated = lax.dynamic_update_slice(x, jnp.sin(y), (2, 1))
+    return updated[::2] ** 2, y * lax.dynamic_slice(x, (3, 3), (2, 3))
+
+
+_PAIR_CASES = [
+    _case("scatter_gather", _pair_scatter, _inputs((5, 6), (6, 6)), (0, 1)),
+    _case("transpose_roll_3d", _pair_3d, _inputs((3, 4, 5), (4, 3)), (0, 1)),
+    _case("dynamic_update_reversed", _pair_update, _inputs((5, 6), (2, 3)), (1, 0)),
+]
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("order", _ORDERS)
+@pytest.mark.parametrize("fun, build, argnums", _PAIR_CASES)
+def test_several_arguments(fun, build, argnums, order, sparse):
+    _check(fun, build, argnums, order, sparse)
