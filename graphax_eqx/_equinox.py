@@ -318,8 +318,8 @@ def filter_jacve(
         object, not only arrays.
     - `count_ops`: if `True`, also return the operation counts of the elimination.
     - `sparse_representation`: if `True`, the Jacobian leaves are
-        [`graphax_eqx.SparseTensor`][]s that keep the structure of the Jacobian,
-        instead of dense arrays.
+        [`graphax_eqx.SparseTensor`][]s or [`graphax_eqx.CooTensor`][]s that keep
+        the structure of the Jacobian, instead of dense arrays.
 
     `argnums` is not accepted: pass several objects as one tuple in the first
     argument instead, or use [`graphax_eqx.eqx_jacve`][].
@@ -503,7 +503,8 @@ def eqx_jacve(
         Python object and is returned unchanged.
     - `count_ops`: if `True`, also return the operation counts of the elimination.
     - `sparse_representation`: if `True`, the Jacobian leaves are
-        [`graphax_eqx.SparseTensor`][]s instead of dense arrays.
+        [`graphax_eqx.SparseTensor`][]s or [`graphax_eqx.CooTensor`][]s instead of
+        dense arrays.
 
     **Returns:**
 

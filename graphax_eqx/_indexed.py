@@ -281,7 +281,7 @@ def _unravel(flat: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]
 def _ravel(coords, shape: tuple[int, ...], n: int) -> np.ndarray:
     if not shape:
         return np.zeros(n, np.int64)
-    return np.ravel_multi_index(tuple(coords), shape).astype(np.int64)
+    return np.asarray(np.ravel_multi_index(tuple(coords), shape), np.int64)
 
 
 #
@@ -999,6 +999,7 @@ def run_add(a, b, plan, dtype):
         return coo_add(a, b, plan, dtype), plan.adds
     a, b = _convert(a, plan.conv_a), _convert(b, plan.conv_b)
     if isinstance(plan.inner, CooSumPlan):
+        assert isinstance(a, CooTensor) and isinstance(b, CooTensor)
         return coo_add(a, b, plan.inner, dtype), plan.adds
     out, _ = add(a, b)
     return out, plan.adds

@@ -146,8 +146,8 @@ class Pattern:
 def make_pattern(
     out_shape: tuple[int, ...],
     in_shape: tuple[int, ...],
-    labels: tuple[int, ...],
-    val_labels: tuple[int, ...],
+    labels: tuple,
+    val_labels: tuple,
 ) -> tuple[Pattern, tuple[int, ...]]:
     """Canonicalise arbitrary labels.
 
