@@ -43,6 +43,11 @@ from ._sparse import (
 # benchmarks/NOTES.md). Its structural zeros are then stored too.
 DENSE_FRACTION = 0.5
 DENSE_MIN_SIZE = 1 << 14
+# A product whose entry pairs number more than 1/DENSE_PRODUCT_RATIO of the dense
+# product's multiplications runs densely: on CPU a pair (gather, multiply, segment
+# sum) costs about as much as 100 multiplications of a dense `dot_general` (measured
+# with 384 × 384 random patterns; see benchmarks/NOTES.md).
+DENSE_PRODUCT_RATIO = 100
 # Beyond this many entry pairs, a product is not planned entry by entry.
 MAX_PAIRS = 1 << 26
 
@@ -609,10 +614,8 @@ def _join(cols_a: np.ndarray, rows_b: np.ndarray):
     return ia, ib
 
 
-@functools.lru_cache(maxsize=65536)
-def coo_product_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
-    """Plan `A · B` for `A: w ← v`, `B: v ← u` given as static sparse patterns."""
-    assert pa.in_shape == pb.out_shape, (pa, pb)
+def _untied_pair(pa: CooPattern, pb: CooPattern):
+    """Both operands with the ties the other lacks made free."""
     a_tie_v = {i: t for t, (_, i) in enumerate(pa.ties)}
     b_tie_v = {o: t for t, (o, _) in enumerate(pb.ties)}
     pa2, untie_a = _untie(
@@ -622,6 +625,29 @@ def coo_product_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
         pb, frozenset(t for j, t in b_tie_v.items() if j not in a_tie_v)
     )
     assert pa2.in_free == pb2.out_free, (pa2, pb2)
+    return pa2, untie_a, pb2, untie_b
+
+
+@functools.lru_cache(maxsize=4096)
+def dense_is_better(pa: CooPattern, pb: CooPattern) -> bool:
+    """Whether `A · B` should run on dense free parts rather than entry by entry."""
+    pa2, _, pb2, _ = _untied_pair(pa, pb)
+    n_v = pa2.n_in_free
+    pairs = int(
+        np.dot(
+            np.bincount(pa2.cols, minlength=n_v).astype(np.float64),
+            np.bincount(pb2.rows, minlength=n_v).astype(np.float64),
+        )
+    )
+    dense_muls = pa2.n_out_free * n_v * pb2.n_in_free
+    return pairs > MAX_PAIRS or pairs * DENSE_PRODUCT_RATIO > dense_muls
+
+
+@functools.lru_cache(maxsize=65536)
+def coo_product_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
+    """Plan `A · B` for `A: w ← v`, `B: v ← u` given as static sparse patterns."""
+    assert pa.in_shape == pb.out_shape, (pa, pb)
+    pa2, untie_a, pb2, untie_b = _untied_pair(pa, pb)
     ia, ib = _join(pa2.cols, pb2.rows)
     n_u = pb2.n_in_free
     keys = pa2.rows[ia] * n_u + pb2.cols[ib]
@@ -942,9 +968,32 @@ def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
     """Plan `A · B` where at least one side is a static sparse pattern."""
     from ._sparse import plan_has_val, product_plan
 
+    originals = (pa, pb, a_val, b_val)
+    conv_a = conv_b = None
+    if not (isinstance(pa, CooPattern) and isinstance(pb, CooPattern)):
+        conv_a, conv_b, pa, pb, a_val, b_val = _converted(pa, pb, a_val, b_val)
     if isinstance(pa, CooPattern) and isinstance(pb, CooPattern):
-        return coo_product_plan(pa, pb, a_val, b_val)
-    conv_a, conv_b, pa, pb, a_val, b_val = _converted(pa, pb, a_val, b_val)
+        if not dense_is_better(pa, pb):
+            plan = coo_product_plan(pa, pb, a_val, b_val)
+            if conv_a is None and conv_b is None:
+                return plan
+            return ConvertPlan(
+                plan.pattern,
+                "convert",
+                plan.muls,
+                0,
+                plan.has_val,
+                conv_a,
+                conv_b,
+                plan,
+            )
+        # Dense free parts: sparse operands go to labeled form, labeled ones stay.
+        pa, pb, a_val, b_val = originals
+        conv_a = conv_b = None
+        if isinstance(pa, CooPattern):
+            conv_a, pa, a_val = "labeled", labeled_pattern(pa)[0], True
+        if isinstance(pb, CooPattern):
+            conv_b, pb, b_val = "labeled", labeled_pattern(pb)[0], True
     inner = product_plan(pa, pb, a_val, b_val)
     return ConvertPlan(
         inner.pattern,
