@@ -640,7 +640,11 @@ def dense_is_better(pa: CooPattern, pb: CooPattern) -> bool:
         )
     )
     dense_muls = pa2.n_out_free * n_v * pb2.n_in_free
-    return pairs > MAX_PAIRS or pairs * DENSE_PRODUCT_RATIO > dense_muls
+    if pairs > MAX_PAIRS:
+        return True
+    # Small products stay sparse: they are cheap either way, and dense storage would
+    # store structural zeros.
+    return dense_muls >= DENSE_MIN_SIZE and pairs * DENSE_PRODUCT_RATIO > dense_muls
 
 
 @functools.lru_cache(maxsize=65536)
