@@ -29,6 +29,7 @@ from jax.experimental import sparse as jsparse
 from jaxtyping import Array
 
 from ._sparse import (
+    BlockShape,
     Pattern,
     SparseTensor,
     _cast,
@@ -165,7 +166,7 @@ class CooPattern:
         )
 
 
-class CooTensor(eqx.Module):
+class CooTensor(BlockShape, eqx.Module):
     """A sparse Jacobian block of shape `out_shape + in_shape` with static indices.
 
     Returned by [`graphax_eqx.jacve`][] with `sparse_representation=True` where
@@ -191,23 +192,6 @@ class CooTensor(eqx.Module):
     pattern: CooPattern = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
     mask: Array | None = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of the full Jacobian, `out_shape + in_shape`."""
-        return self.pattern.shape
-
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        return self.pattern.out_shape
-
-    @property
-    def in_shape(self) -> tuple[int, ...]:
-        return self.pattern.in_shape
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
 
     @property
     def nse(self) -> int:

@@ -189,7 +189,30 @@ def dense_pattern(out_shape: tuple[int, ...], in_shape: tuple[int, ...]) -> Patt
 _LETTERS = string.ascii_letters
 
 
-class SparseTensor(eqx.Module):
+class BlockShape:
+    """Shape accessors shared by the structured Jacobian blocks (via `pattern`)."""
+
+    pattern: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the full Jacobian, `out_shape + in_shape`."""
+        return self.pattern.shape
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.pattern.out_shape
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return self.pattern.in_shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+class SparseTensor(BlockShape, eqx.Module):
     """A structured (sparse) Jacobian block of shape `out_shape + in_shape`.
 
     Returned by [`graphax_eqx.jacve`][] with `sparse_representation=True`. It is a
@@ -218,23 +241,6 @@ class SparseTensor(eqx.Module):
     pattern: Pattern = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
     mask: Array | None = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of the full Jacobian, `out_shape + in_shape`."""
-        return self.pattern.shape
-
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        return self.pattern.out_shape
-
-    @property
-    def in_shape(self) -> tuple[int, ...]:
-        return self.pattern.in_shape
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
 
     def dense(self) -> Array:
         """The Jacobian as a dense array of shape `out_shape + in_shape`."""

@@ -273,3 +273,8 @@ def _doubled_sin_bwd(cos_x, g):
 
 
 doubled_sin.defvjp(_doubled_sin_fwd, _doubled_sin_bwd)
+
+
+def is_sparse_block(x) -> bool:
+    """Whether `x` is a structured Jacobian block (`sparse_representation=True`)."""
+    return isinstance(x, (graphax_eqx.SparseTensor, graphax_eqx.CooTensor))

@@ -25,6 +25,7 @@ from graphax_eqx._graph import Lit, inline
 from .helpers import (
     ORDERS,
     assert_matches_references,
+    is_sparse_block,
     reference_jacobians,
     resolve_order,
 )
@@ -293,7 +294,7 @@ def test_parity_jit(case, dtype):
     dense, sparse = run(*args)
     for result in dense:
         _check(case, dtype, result)
-    is_sparse = lambda s: isinstance(s, gx.SparseTensor)
+    is_sparse = is_sparse_block
     leaves = jax.tree.leaves(sparse[0] if case.has_aux else sparse, is_leaf=is_sparse)
     assert all(map(is_sparse, leaves))
     densified = jax.tree.map(

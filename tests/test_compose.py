@@ -8,7 +8,7 @@ import pytest
 
 import graphax_eqx
 
-from .helpers import assert_tree_matches
+from .helpers import assert_tree_matches, is_sparse_block
 
 
 def _f(x):
@@ -87,7 +87,7 @@ def test_hessian_argnums_tuple():
 
 
 def _is_sparse(x):
-    return isinstance(x, graphax_eqx.SparseTensor)
+    return is_sparse_block(x)
 
 
 def test_sparse_representation_under_jit():

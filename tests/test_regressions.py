@@ -8,7 +8,13 @@ from jax import lax
 
 import graphax_eqx
 
-from .helpers import ORDERS, assert_tree_matches, check_jacve, resolve_order
+from .helpers import (
+    ORDERS,
+    assert_tree_matches,
+    check_jacve,
+    is_sparse_block,
+    resolve_order,
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -240,7 +246,7 @@ def test_has_aux_returns_jacobian_then_aux(order):
 
 
 def _is_sparse(x):
-    return isinstance(x, graphax_eqx.SparseTensor)
+    return is_sparse_block(x)
 
 
 @pytest.mark.parametrize("order", ["fwd", "rev", "auto"])

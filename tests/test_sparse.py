@@ -8,11 +8,11 @@ from jax.experimental import sparse as jsparse
 
 import graphax_eqx
 
-from .helpers import assert_tree_matches
+from .helpers import assert_tree_matches, is_sparse_block
 
 
 def _is_sparse(x):
-    return isinstance(x, graphax_eqx.SparseTensor)
+    return is_sparse_block(x)
 
 
 _W = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (3, 4)))
