@@ -41,6 +41,10 @@ def _sources(prim, params, args, i):
     zero elsewhere). The other arguments must be known now; float ones are zeroed.
     `None` when they are not known.
     """
+    if i == 0:
+        src = _numpy_sources(prim, params, shape_of(args[0]))
+        if src is not None:
+            return [src]
     call = []
     for k, a in enumerate(args):
         if k == i:
@@ -55,6 +59,46 @@ def _sources(prim, params, args, i):
     with jax.ensure_compile_time_eval():
         outs = jp.bind(prim, params, *call)
     return [np.asarray(o).reshape(-1).astype(np.int64) - 1 for o in outs]
+
+
+def _numpy_sources(prim, params, in_shape):
+    """`_sources` of the operand for slices, reversals, plain reshapes and pads,
+    computed in NumPy (no JAX computation to compile at trace time); else `None`."""
+    n = math.prod(in_shape)
+    pos = np.arange(n, dtype=np.int64).reshape(in_shape)
+    if prim is lax.slice_p:
+        strides = params["strides"] or (1,) * len(in_shape)
+        index = tuple(
+            slice(lo, hi, st)
+            for lo, hi, st in zip(
+                params["start_indices"], params["limit_indices"], strides, strict=True
+            )
+        )
+        return pos[index].reshape(-1)
+    if prim is lax.rev_p:
+        return np.flip(pos, tuple(params["dimensions"])).reshape(-1)
+    if prim is lax.reshape_p and params.get("dimensions") is None:
+        return pos.reshape(-1)
+    if prim is lax.pad_p:
+        out = pos
+        for axis, (lo, hi, interior) in enumerate(params["padding_config"]):
+            size = out.shape[axis]
+            full = max(0, size + (size - 1) * interior) if size else 0
+            grown = np.full(
+                out.shape[:axis]
+                + (full + max(lo, 0) + max(hi, 0),)
+                + out.shape[axis + 1 :],
+                -1,
+                np.int64,
+            )
+            where = [slice(None)] * out.ndim
+            where[axis] = slice(max(lo, 0), max(lo, 0) + full, interior + 1)
+            grown[tuple(where)] = out
+            keep = [slice(None)] * out.ndim
+            keep[axis] = slice(-min(lo, 0), grown.shape[axis] - (-min(hi, 0)))
+            out = grown[tuple(keep)]
+        return out.reshape(-1)
+    return None
 
 
 def _copy_partial(src, out_shape, in_shape, dtype):
