@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -55,7 +53,6 @@ from .run import (
     GRAPHAX_IMPORT_ERROR,
     Failure,
     _block,
-    _cpu_model,
     _fmt_bytes,
     _fmt_time,
     _group_failures,
@@ -67,6 +64,7 @@ from .run import (
     _traceback_tail,
     graphax_eqx,
     render_failures,
+    run_lines,
 )
 
 
@@ -574,30 +572,10 @@ def render_tasks(results: Sequence[SparseResult]) -> str:
 
 
 def render_header(settings: Settings, command: str, elapsed: float | None) -> str:
-    import jaxlib
-
-    versions = [
-        f"python {platform.python_version()}",
-        f"jax {jax.__version__}",
-        f"jaxlib {jaxlib.__version__}",
-        f"numpy {np.__version__}",
-    ]
+    versions = []
     if asdex is not None:
         versions.append(f"asdex {_distribution_version('asdex')}")
-    if graphax_eqx is not None:
-        versions.append(f"graphax_eqx {getattr(graphax_eqx, '__version__', '?')}")
-    cpu = _cpu_model() or platform.processor() or "unknown processor"
-    now = datetime.datetime.now().astimezone()
-    lines = [
-        "# Sparse Jacobian benchmarks\n",
-        f"- Command: `{command}`",
-        f"- Date: {now.isoformat(timespec='seconds')}",
-        f"- Machine: {platform.platform()}, {cpu}, {os.cpu_count()} CPUs, "
-        f"JAX backend `{jax.default_backend()}` ({jax.device_count()} device)",
-        f"- Versions: {', '.join(versions)}",
-    ]
-    if elapsed is not None:
-        lines.append(f"- Wall time of this run: {elapsed / 60:.1f} min")
+    lines = ["# Sparse Jacobian benchmarks\n", *run_lines(command, elapsed, versions)]
     if GRAPHAX_IMPORT_ERROR is not None:
         lines.append(f"- `graphax_eqx` could not be imported ({GRAPHAX_IMPORT_ERROR}).")
     if ASDEX_IMPORT_ERROR is not None:
