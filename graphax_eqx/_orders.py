@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from ._eliminate import (
-    eliminate_vertex,
-    estimated_cost,
-    sim_add,
-    sim_product,
-    vertex_cost,
-)
 from ._graph import EdgeGraph
+from ._simulator import Simulator, State
 
 
 _ALIASES = {
@@ -23,6 +18,8 @@ _ALIASES = {
     "rev": "rev",
     "reverse": "rev",
     "markowitz": "markowitz",
+    "relative_markowitz": "relative_markowitz",
+    "min_fill": "min_fill",
     "auto": "auto",
 }
 ORDER_NAMES = tuple(_ALIASES)
@@ -131,26 +128,115 @@ def validate(order: tuple[int, ...], intermediates: Sequence[int], outputs, inpu
         )
 
 
-def markowitz(graph: EdgeGraph, intermediates: Sequence[int]) -> list[int]:
-    """Greedy order: eliminate the currently cheapest vertex (ties: lowest id)."""
-    g = graph.copy_with(lambda e: e)
-    remaining = set(intermediates)
-    version = dict.fromkeys(remaining, 0)
-    heap = [(vertex_cost(g, v), v, 0) for v in remaining]
+#
+# Greedy heuristics. Each one repeatedly eliminates the remaining vertex with the
+# smallest score, recomputing the scores of the neighbours of the vertex just
+# eliminated (only their edges changed). Ties go to the lowest vertex id.
+#
+
+Score = Callable[[Simulator, State, int], Any]
+
+
+def _markowitz_score(sim: Simulator, state: State, i: int):
+    return sim.vertex_muls(state, i)
+
+
+def _relative_markowitz_score(sim: Simulator, state: State, i: int):
+    removed = len(state.pred[i]) + len(state.succ[i])
+    return sim.vertex_muls(state, i) / max(removed, 1)
+
+
+def _min_fill_score(sim: Simulator, state: State, i: int):
+    new, entries = sim.vertex_fill(state, i)
+    return (entries, new, sim.vertex_muls(state, i))
+
+
+def greedy(
+    sim: Simulator, score: Score, state: State | None = None
+) -> list[int]:
+    """The greedy order of `score` from `state` (default: the start), as vertex ids."""
+    state = sim.start() if state is None else state
+    version = dict.fromkeys(state.remaining, 0)
+    heap = [(score(sim, state, i), i, 0) for i in state.remaining]
     heapq.heapify(heap)
     order = []
     while heap:
-        cost, v, ver = heapq.heappop(heap)
-        if v not in remaining or ver != version[v]:
+        _, i, ver = heapq.heappop(heap)
+        if i not in state.remaining or ver != version[i]:
             continue
-        neighbours = (set(g.pred[v]) | set(g.succ[v])) & remaining
-        eliminate_vertex(g, v, sim_product, sim_add)
-        remaining.discard(v)
-        order.append(v)
-        for n in neighbours - {v}:
+        neighbours = (state.pred[i].keys() | state.succ[i].keys()) & state.remaining
+        sim.eliminate(state, i)
+        order.append(sim.vertices[i])
+        for n in neighbours:
             version[n] += 1
-            heapq.heappush(heap, (vertex_cost(g, n), n, version[n]))
+            heapq.heappush(heap, (score(sim, state, n), n, version[n]))
     return order
+
+
+def safe_preeliminations(sim: Simulator, state: State) -> list[int]:
+    """Eliminate, in place, the vertices whose elimination is safe; returns their ids.
+
+    A vertex with one predecessor and one successor (a link in a chain) merges two
+    edges into one: it adds no edge, and every order must pay for combining the two
+    partials anyway. It is safe when the merged partial stores no more entries than
+    the larger of the two (so diagonal chains stay diagonal, while a dense outer
+    product is left for the order to decide). Repeats until no such vertex is left.
+    """
+    done = []
+    changed = True
+    while changed:
+        changed = False
+        for i in sorted(state.remaining):
+            ins, outs = state.pred[i], state.succ[i]
+            if len(ins) != 1 or len(outs) != 1:
+                continue
+            (u, b), (w, a) = next(iter(ins.items())), next(iter(outs.items()))
+            c = sim.product_id(a, b)
+            if sim.stored(c) > max(sim.stored(a), sim.stored(b)):
+                continue
+            sim.eliminate(state, i)
+            done.append(sim.vertices[i])
+            changed = True
+    return done
+
+
+def markowitz(sim: Simulator) -> list[int]:
+    """Lowest Markowitz cost first: the vertex whose elimination costs the fewest
+    multiplications now."""
+    return greedy(sim, _markowitz_score)
+
+
+def relative_markowitz(sim: Simulator) -> list[int]:
+    """Safe pre-eliminations, then lowest relative Markowitz cost first.
+
+    The relative cost is the multiplications eliminating the vertex costs now, divided
+    by the number of edges the elimination removes (its predecessors plus successors).
+    Plain Markowitz keeps postponing well-connected vertices, whose cost then grows
+    with every neighbour eliminated; dividing by the degree eliminates them earlier.
+    """
+    state = sim.start()
+    pre = safe_preeliminations(sim, state)
+    return pre + greedy(sim, _relative_markowitz_score, state)
+
+
+def min_fill(sim: Simulator) -> list[int]:
+    """Safe pre-eliminations, then lowest fill-in first.
+
+    Eliminates the vertex whose elimination creates the fewest new stored entries
+    (edges that did not exist before, counted by the entries their partials store);
+    ties go to fewer new edges, then to fewer multiplications. Keeping the graph
+    sparse keeps later eliminations cheap and the program's memory small.
+    """
+    state = sim.start()
+    pre = safe_preeliminations(sim, state)
+    return pre + greedy(sim, _min_fill_score, state)
+
+
+HEURISTICS: dict[str, Callable[[Simulator], list[int]]] = {
+    "markowitz": markowitz,
+    "relative_markowitz": relative_markowitz,
+    "min_fill": min_fill,
+}
 
 
 def resolve(name_or_ids, sim_graph: EdgeGraph, structure) -> list[int]:
@@ -164,10 +250,28 @@ def resolve(name_or_ids, sim_graph: EdgeGraph, structure) -> list[int]:
         return inter
     if name_or_ids == "rev":
         return inter[::-1]
-    if name_or_ids == "markowitz":
-        return markowitz(sim_graph, inter)
+    sim = Simulator(sim_graph, inter)
+    if name_or_ids in HEURISTICS:
+        return HEURISTICS[name_or_ids](sim)
     assert name_or_ids == "auto"
-    # Fewest multiplications; among equals, the least estimated memory traffic.
-    candidates = [inter, inter[::-1], markowitz(sim_graph, inter)]
-    keys = [estimated_cost(sim_graph, c) for c in candidates]
-    return candidates[keys.index(min(keys))]
+    return auto(sim)
+
+
+def candidates(sim: Simulator) -> dict[str, list[int]]:
+    """The named orders `auto` chooses from."""
+    inter = list(sim.intermediates)
+    out = {"fwd": inter, "rev": inter[::-1]}
+    for name, heuristic in HEURISTICS.items():
+        out[name] = heuristic(sim)
+    return out
+
+
+def auto(sim: Simulator) -> list[int]:
+    """Fewest multiplications; among equals, the least estimated memory traffic."""
+    best_key, best = None, []
+    for order in candidates(sim).values():
+        c = sim.cost(order)
+        key = (c.muls, c.muls + c.adds + c.traffic)
+        if best_key is None or key < best_key:
+            best_key, best = key, order
+    return best

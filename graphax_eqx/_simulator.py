@@ -1,0 +1,285 @@
+"""A fast structural simulator of vertex elimination.
+
+[`graphax_eqx._eliminate.simulate`][] eliminates on pattern objects: every product
+looks its plan up by hashing two patterns. Scoring thousands of orders needs less. The
+[`Simulator`][] interns each distinct edge pattern as a small integer once, memoises the
+product and sum of every pair of interned patterns as
+`(result id, multiplications or additions)`, and then eliminates on a graph of plain
+`dict[int, int]` rows. It runs the same plans as the engine, so its counts are exactly
+those `count_ops=True` reports for the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from ._eliminate import SimEdge, sim_add, sim_product, written
+from ._graph import EdgeGraph
+
+
+# Pattern ids stay below this, so that a pair of ids packs into one int key.
+_SHIFT = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """What eliminating a complete order costs, from patterns alone.
+
+    - `muls`: multiplications (as `count_ops=True` reports them).
+    - `adds`: additions of the elimination (without those made while building the
+        graph, which do not depend on the order).
+    - `traffic`: entries written by the products and sums, a measure of memory traffic.
+    - `products`: products emitted (one kernel each before XLA fuses them).
+    - `fill`: edges created that did not exist before.
+    """
+
+    muls: int
+    adds: int
+    traffic: int
+    products: int
+    fill: int
+
+
+class State:
+    """A partly eliminated graph: `pred[v]` / `succ[v]` map neighbours to pattern ids."""
+
+    __slots__ = ("pred", "succ", "remaining")
+
+    def __init__(self, pred, succ, remaining):
+        self.pred: list[dict[int, int]] = pred
+        self.succ: list[dict[int, int]] = succ
+        self.remaining: set[int] = remaining
+
+    def copy(self) -> State:
+        return State(
+            [d.copy() for d in self.pred],
+            [d.copy() for d in self.succ],
+            set(self.remaining),
+        )
+
+
+class Simulator:
+    """Eliminates orders on interned patterns; see the module docstring.
+
+    **Arguments:**
+
+    - `graph`: a pattern graph (edges are [`graphax_eqx._eliminate.SimEdge`][]s).
+    - `intermediates`: the vertex ids an order eliminates.
+
+    Vertex ids are the graph's own; internally they are numbered `0..n-1`.
+    """
+
+    def __init__(self, graph: EdgeGraph, intermediates: Sequence[int]):
+        self.vertices: list[int] = sorted(graph.succ)
+        self.index = {v: i for i, v in enumerate(self.vertices)}
+        self.intermediates = tuple(intermediates)
+        self._edges: list[SimEdge] = []
+        self._ids: dict[SimEdge, int] = {}
+        self._written: list[int] = []
+        self._prod: dict[int, tuple[int, int]] = {}
+        self._sum: dict[int, tuple[int, int]] = {}
+        n = len(self.vertices)
+        pred: list[dict[int, int]] = [{} for _ in range(n)]
+        succ: list[dict[int, int]] = [{} for _ in range(n)]
+        for u, row in graph.succ.items():
+            iu = self.index[u]
+            for w, e in row.items():
+                iw = self.index[w]
+                k = self._intern(e)
+                succ[iu][iw] = k
+                pred[iw][iu] = k
+        self._initial = State(
+            pred, succ, {self.index[v] for v in self.intermediates}
+        )
+
+    # -- interning ---------------------------------------------------------------
+
+    def _intern(self, edge: SimEdge) -> int:
+        k = self._ids.get(edge)
+        if k is None:
+            k = len(self._edges)
+            if k >= _SHIFT:
+                raise RuntimeError("too many distinct edge patterns to simulate")
+            self._ids[edge] = k
+            self._edges.append(edge)
+            self._written.append(written(edge))
+        return k
+
+    def _product(self, a: int, b: int) -> tuple[int, int]:
+        """`edge[a] · edge[b]` (a: v→w, b: u→v) as (pattern id, multiplications)."""
+        key = a * _SHIFT + b
+        found = self._prod.get(key)
+        if found is None:
+            edge, muls = sim_product(self._edges[a], self._edges[b])
+            found = (self._intern(edge), int(muls))
+            self._prod[key] = found
+        return found
+
+    def _add(self, a: int, b: int) -> tuple[int, int]:
+        key = a * _SHIFT + b
+        found = self._sum.get(key)
+        if found is None:
+            edge, adds = sim_add(self._edges[a], self._edges[b])
+            found = (self._intern(edge), int(adds))
+            self._sum[key] = found
+        return found
+
+    def product_id(self, a: int, b: int) -> int:
+        """The pattern id of `edge[a] · edge[b]`."""
+        return self._product(a, b)[0]
+
+    def stored(self, k: int) -> int:
+        """Entries pattern `k` stores (0 for pure index maps and lazy maps)."""
+        return self._written[k]
+
+    @property
+    def num_patterns(self) -> int:
+        return len(self._edges)
+
+    def edge(self, k: int) -> SimEdge:
+        return self._edges[k]
+
+    # -- states -----------------------------------------------------------------
+
+    def start(self) -> State:
+        """A fresh state: nothing eliminated yet."""
+        return self._initial.copy()
+
+    def eliminate(self, state: State, i: int) -> tuple[int, int, int, int, int]:
+        """Eliminate internal vertex `i` in place.
+
+        Returns (multiplications, additions, entries written, products, new edges).
+        """
+        pred, succ = state.pred, state.succ
+        ins = pred[i]
+        outs = succ[i]
+        pred[i] = {}
+        succ[i] = {}
+        state.remaining.discard(i)
+        for u in ins:
+            del succ[u][i]
+        for w in outs:
+            del pred[w][i]
+        prod, sums, add, wr = self._prod, self._sum, self._add, self._written
+        muls = adds = traffic = fill = 0
+        outs_items = list(outs.items())
+        for u, b in ins.items():
+            su = succ[u]
+            for w, a in outs_items:
+                found = prod.get(a * _SHIFT + b)
+                if found is None:
+                    found = self._product(a, b)
+                c, m = found
+                muls += m
+                traffic += wr[c]
+                old = su.get(w)
+                if old is not None:
+                    found = sums.get(old * _SHIFT + c)
+                    if found is None:
+                        found = add(old, c)
+                    c, m = found
+                    adds += m
+                    traffic += wr[c]
+                else:
+                    fill += 1
+                su[w] = c
+                pred[w][u] = c
+        return muls, adds, traffic, len(ins) * len(outs_items), fill
+
+    def vertex_muls(self, state: State, i: int) -> int:
+        """Multiplications eliminating internal vertex `i` would cost now."""
+        total = 0
+        prod = self._prod
+        outs = list(state.succ[i].values())
+        for b in state.pred[i].values():
+            for a in outs:
+                found = prod.get(a * _SHIFT + b)
+                if found is None:
+                    found = self._product(a, b)
+                total += found[1]
+        return total
+
+    def vertex_fill(self, state: State, i: int) -> tuple[int, int]:
+        """(new edges, entries they store) that eliminating `i` would create now."""
+        new = entries = 0
+        succ = state.succ
+        outs = list(state.succ[i].items())
+        for u, b in state.pred[i].items():
+            su = succ[u]
+            for w, a in outs:
+                if w not in su:
+                    new += 1
+                    entries += self._written[self._product(a, b)[0]]
+        return new, entries
+
+    # -- whole orders -----------------------------------------------------------
+
+    def cost(self, order: Iterable[int], state: State | None = None) -> Cost:
+        """The cost of eliminating `order` (graph vertex ids) from `state` or the start.
+
+        `state` is not modified.
+        """
+        state = self.start() if state is None else state.copy()
+        index = self.index
+        muls = adds = traffic = products = fill = 0
+        for v in order:
+            m, a, t, p, f = self.eliminate(state, index[v])
+            muls += m
+            adds += a
+            traffic += t
+            products += p
+            fill += f
+        return Cost(muls, adds, traffic, products, fill)
+
+    def muls(self, order: Sequence[int], state: State | None = None) -> int:
+        """Multiplications of `order` (internal indices), the search's hot path.
+
+        The same elimination as [`Simulator.eliminate`][], counting products only.
+        `state` (default: the start) is consumed.
+        """
+        if state is None:
+            state = self._initial.copy()
+        pred, succ = state.pred, state.succ
+        prod, sums = self._prod, self._sum
+        total = 0
+        for i in order:
+            ins = pred[i]
+            outs = succ[i]
+            pred[i] = {}
+            succ[i] = {}
+            for u in ins:
+                del succ[u][i]
+            for w in outs:
+                del pred[w][i]
+            outs_items = list(outs.items())
+            for u, b in ins.items():
+                su = succ[u]
+                for w, a in outs_items:
+                    try:
+                        c, m = prod[a * _SHIFT + b]
+                    except KeyError:
+                        c, m = self._product(a, b)
+                    total += m
+                    old = su.get(w)
+                    if old is not None:
+                        try:
+                            c = sums[old * _SHIFT + c][0]
+                        except KeyError:
+                            c = self._add(old, c)[0]
+                    su[w] = c
+                    pred[w][u] = c
+        state.remaining.difference_update(order)
+        return total
+
+    def per_vertex(self, order: Sequence[int]) -> tuple[int, int, list[int]]:
+        """(multiplications, additions, multiplications per vertex) like `count_ops`."""
+        state = self.start()
+        muls = adds = 0
+        per = []
+        for v in order:
+            m, a, _, _, _ = self.eliminate(state, self.index[v])
+            muls += m
+            adds += a
+            per.append(m)
+        return muls, adds, per
