@@ -12,6 +12,14 @@ from ._jacve import (
     make_graph as make_graph,
     value_and_jacve as value_and_jacve,
 )
+from ._orders import Order as Order
+from ._search import (
+    EliminationCost as EliminationCost,
+    OrderSearch as OrderSearch,
+    elimination_cost as elimination_cost,
+    load_order as load_order,
+    search_order as search_order,
+)
 from ._sparse import SparseTensor as SparseTensor
 
 

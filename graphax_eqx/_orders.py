@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import heapq
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,11 +27,79 @@ _ALIASES = {
 ORDER_NAMES = tuple(_ALIASES)
 
 
+@dataclasses.dataclass(frozen=True)
+class Order:
+    """An explicit elimination order tied to the graph it was made for.
+
+    Returned by [`graphax_eqx.search_order`][] (as `result.order`) and
+    [`graphax_eqx.load_order`][]. Pass it as `jacve(..., order=order)`: it behaves as
+    its vertex ids, and `jacve` first checks that the function's graph has the same
+    fingerprint, raising a `ValueError` if the function changed since the order was
+    made. `tuple(order)` (or `order.ids`) gives the plain ids, which skip that check.
+    """
+
+    ids: tuple[int, ...]
+    fingerprint: str
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return self.ids[i]
+
+    def __repr__(self) -> str:
+        return f"Order({len(self.ids)} vertices, fingerprint={self.fingerprint[:12]})"
+
+
+def _pattern_digest(pattern) -> str:
+    rows = getattr(pattern, "rows", None)
+    if rows is None:
+        return repr(pattern)
+    cols = pattern.cols
+    arrays = hashlib.sha256(
+        np.ascontiguousarray(rows, np.int64).tobytes()
+        + b"|"
+        + np.ascontiguousarray(cols, np.int64).tobytes()
+    ).hexdigest()
+    return repr(
+        (
+            type(pattern).__name__,
+            pattern.out_shape,
+            pattern.in_shape,
+            pattern.ties,
+            pattern.varying,
+            arrays,
+        )
+    )
+
+
+def graph_fingerprint(sim_graph: EdgeGraph, structure) -> str:
+    """A digest of the graph's vertices, primitives, edges and partial patterns.
+
+    Equal for equal programs in any process (no Python `hash`, which is salted).
+    """
+    h = hashlib.sha256()
+    h.update(repr((structure.inputs, structure.intermediates)).encode())
+    h.update(repr(tuple(o for o in structure.outputs if o is not None)).encode())
+    for v in structure.intermediates:
+        h.update(f"{v}:{structure.primitive_of.get(v)}".encode())
+    for u in sorted(sim_graph.succ):
+        for w in sorted(sim_graph.succ[u]):
+            e = sim_graph.succ[u][w]
+            h.update(f"{u}>{w}:{e.has_val}:{_pattern_digest(e.pattern)};".encode())
+    return h.hexdigest()
+
+
 def normalise_order(order, api: str = "jacve"):
     """Check an `order` argument early; returns a canonical name or a tuple of ids.
 
     Names are case-insensitive. `api` names the function in error messages.
     """
+    if isinstance(order, Order):
+        return order
     if isinstance(order, str):
         name = _ALIASES.get(order.lower())
         if name is None:
@@ -151,9 +221,7 @@ def _min_fill_score(sim: Simulator, state: State, i: int):
     return (entries, new, sim.vertex_muls(state, i))
 
 
-def greedy(
-    sim: Simulator, score: Score, state: State | None = None
-) -> list[int]:
+def greedy(sim: Simulator, score: Score, state: State | None = None) -> list[int]:
     """The greedy order of `score` from `state` (default: the start), as vertex ids."""
     state = sim.start() if state is None else state
     version = dict.fromkeys(state.remaining, 0)
@@ -190,7 +258,7 @@ def safe_preeliminations(sim: Simulator, state: State) -> list[int]:
             ins, outs = state.pred[i], state.succ[i]
             if len(ins) != 1 or len(outs) != 1:
                 continue
-            (u, b), (w, a) = next(iter(ins.items())), next(iter(outs.items()))
+            b, a = next(iter(ins.values())), next(iter(outs.values()))
             c = sim.product_id(a, b)
             if sim.stored(c) > max(sim.stored(a), sim.stored(b)):
                 continue
@@ -242,6 +310,18 @@ HEURISTICS: dict[str, Callable[[Simulator], list[int]]] = {
 def resolve(name_or_ids, sim_graph: EdgeGraph, structure) -> list[int]:
     """The explicit vertex order for an order argument."""
     inter = list(structure.intermediates)
+    if isinstance(name_or_ids, Order):
+        found = graph_fingerprint(sim_graph, structure)
+        if found != name_or_ids.fingerprint:
+            raise ValueError(
+                "`jacve` got an order made for a different computational graph "
+                f"(the order's fingerprint is {name_or_ids.fingerprint[:12]}, this "
+                f"function's graph has {found[:12]}). The function, its argument "
+                "shapes or dtypes, or `argnums` changed since the order was searched. "
+                "Search again with `graphax_eqx.search_order`, or pass `tuple(order)` "
+                "to use the vertex ids anyway (they are still validated)."
+            )
+        name_or_ids = name_or_ids.ids
     if isinstance(name_or_ids, tuple):
         ids = complete(name_or_ids, structure)
         validate(ids, inter, structure.outputs, structure.inputs)
@@ -264,6 +344,22 @@ def candidates(sim: Simulator) -> dict[str, list[int]]:
     for name, heuristic in HEURISTICS.items():
         out[name] = heuristic(sim)
     return out
+
+
+# The run-time model: a weighted sum of what the simulator counts, in units of one
+# multiplication. See `docs/orders.md` for how the weights were fitted.
+TIME_WEIGHTS = {"muls": 1.0, "adds": 1.0, "traffic": 1.0, "products": 0.0}
+
+
+def predicted_time(cost) -> float:
+    """The run-time model's estimate for a [`graphax_eqx._simulator.Cost`][]."""
+    w = TIME_WEIGHTS
+    return (
+        w["muls"] * cost.muls
+        + w["adds"] * cost.adds
+        + w["traffic"] * cost.traffic
+        + w["products"] * cost.products
+    )
 
 
 def auto(sim: Simulator) -> list[int]:

@@ -42,7 +42,7 @@ class Cost:
 
 
 class State:
-    """A partly eliminated graph: `pred[v]` / `succ[v]` map neighbours to pattern ids."""
+    """A partly eliminated graph: `pred[i]` / `succ[i]` map neighbours to edge ids."""
 
     __slots__ = ("pred", "succ", "remaining")
 
@@ -89,9 +89,7 @@ class Simulator:
                 k = self._intern(e)
                 succ[iu][iw] = k
                 pred[iw][iu] = k
-        self._initial = State(
-            pred, succ, {self.index[v] for v in self.intermediates}
-        )
+        self._initial = State(pred, succ, {self.index[v] for v in self.intermediates})
 
     # -- interning ---------------------------------------------------------------
 

@@ -1,0 +1,648 @@
+"""Order search and order costs: `elimination_cost`, `search_order`, `load_order`."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import heapq
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._eliminate import sim_edge
+from ._graph import EdgeGraph, Structure, evaluate
+from ._jacve import _normalise_argnums, _prepare, jacve
+from ._orders import (
+    Order,
+    candidates,
+    graph_fingerprint,
+    greedy,
+    normalise_order,
+    predicted_time,
+    resolve,
+    safe_preeliminations,
+)
+from ._simulator import Cost, Simulator, State
+
+
+_FORMAT = "graphax_eqx.order"
+_FORMAT_VERSION = 1
+OBJECTIVES = ("muls", "time")
+
+
+@dataclasses.dataclass
+class _Patterns:
+    graph: EdgeGraph
+    structure: Structure
+    graph_adds: int
+    fingerprint: str
+
+
+def _patterns(fun, argnums, has_aux, args, kwargs, name) -> _Patterns:
+    """The pattern graph of `fun` at `args`, built abstractly (no FLOPs)."""
+    argnums_t, _ = _normalise_argnums(argnums, name)
+    prep = _prepare(fun, args, kwargs, argnums_t, has_aux, name)
+    traced = prep.traced
+    structure = traced.structure
+    captured = {}
+
+    def abstract(*leaves):
+        _, graph, adds0 = evaluate(traced.program, structure, list(leaves))
+        captured["graph"] = graph.copy_with(sim_edge)
+        captured["adds"] = int(adds0)
+        return 0
+
+    jax.eval_shape(abstract, *prep.leaves)
+    graph = captured["graph"]
+    return _Patterns(
+        graph, structure, captured["adds"], graph_fingerprint(graph, structure)
+    )
+
+
+#
+# Costs of one order.
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class EliminationCost:
+    """The cost of one elimination order, computed from the graph's structure alone.
+
+    **Attributes:**
+
+    - `order`: the vertex ids, in elimination order (an [`graphax_eqx.Order`][]).
+    - `num_muls`, `num_adds`: exactly what `jacve(..., count_ops=True)` reports.
+    - `order_counts`: multiplications per eliminated vertex.
+    - `traffic`: entries written by the elimination's products and sums (a measure of
+        memory traffic).
+    - `products`: products emitted (operations before XLA fuses them).
+    - `fill`: edges the elimination created that the graph did not have.
+    - `predicted_time`: the run-time model's estimate in arbitrary units (see
+        `docs/orders.md`), comparable between orders of one function only.
+    """
+
+    order: Order
+    num_muls: int
+    num_adds: int
+    order_counts: tuple[int, ...]
+    traffic: int
+    products: int
+    fill: int
+    predicted_time: float
+
+
+def _full_cost(sim: Simulator, ids: Sequence[int], graph_adds: int, fp: str):
+    state = sim.start()
+    muls = adds = traffic = products = fill = 0
+    per = []
+    for v in ids:
+        m, a, t, p, f = sim.eliminate(state, sim.index[v])
+        muls += m
+        adds += a
+        traffic += t
+        products += p
+        fill += f
+        per.append(m)
+    cost = Cost(muls, adds, traffic, products, fill)
+    return EliminationCost(
+        Order(tuple(int(v) for v in ids), fp),
+        muls,
+        adds + graph_adds,
+        tuple(per),
+        traffic,
+        products,
+        fill,
+        predicted_time(cost),
+    )
+
+
+def elimination_cost(
+    fun: Callable,
+    order: str | Sequence[int] = "auto",
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., EliminationCost]:
+    """What eliminating `fun`'s graph in `order` costs, without running any FLOPs.
+
+    The graph is built abstractly (`jax.eval_shape`) and the order is simulated on
+    the partials' sparsity patterns alone, with the same plans the engine runs, so the
+    counts equal those of `jacve(fun, order, argnums, count_ops=True)`.
+
+    **Arguments:**
+
+    - `fun`, `argnums`, `has_aux`: as for [`graphax_eqx.jacve`][].
+    - `order`: any order `jacve` accepts, including an [`graphax_eqx.Order`][].
+
+    **Returns:**
+
+    A function taking `fun`'s arguments and returning an
+    [`graphax_eqx.EliminationCost`][].
+
+    Example:
+
+    ```python
+    import jax.numpy as jnp
+    import graphax_eqx as gx
+
+    f = lambda x: jnp.sin(x) * jnp.sum(x**2)
+    cost = gx.elimination_cost(f, order="rev")(jnp.ones(4))
+    assert cost.num_muls == gx.jacve(f, order="rev", count_ops=True)(jnp.ones(4))[1][
+        "num_muls"
+    ]
+    ```
+    """
+    spec = normalise_order(order, "elimination_cost")
+
+    def cost(*args, **kwargs) -> EliminationCost:
+        pat = _patterns(fun, argnums, has_aux, args, kwargs, "elimination_cost")
+        ids = resolve(spec, pat.graph, pat.structure)
+        sim = Simulator(pat.graph, pat.structure.intermediates)
+        return _full_cost(sim, ids, pat.graph_adds, pat.fingerprint)
+
+    return cost
+
+
+#
+# The search.
+#
+
+
+class _Objective:
+    """Scores orders of internal vertex indices, replaying from checkpoints.
+
+    The current order's states are saved every `block` eliminations, so a candidate
+    that differs from it only from position `p` on replays only from the checkpoint
+    at or before `p`.
+    """
+
+    def __init__(self, sim: Simulator, objective: str, block: int = 8):
+        self.sim = sim
+        self.objective = objective
+        self.block = block
+        self.evaluations = 0
+        self.current: list[int] = []
+        self.checkpoints: list[tuple[State, Any]] = []
+        self.value = math.inf
+
+    def _run(self, order: Sequence[int], state: State, acc):
+        sim = self.sim
+        if self.objective == "muls":
+            return acc + sim.muls(order, state)
+        muls, adds, traffic, products, fill = acc
+        for i in order:
+            m, a, t, p, f = sim.eliminate(state, i)
+            muls += m
+            adds += a
+            traffic += t
+            products += p
+            fill += f
+        return (muls, adds, traffic, products, fill)
+
+    def _zero(self):
+        return 0 if self.objective == "muls" else (0, 0, 0, 0, 0)
+
+    def _score(self, acc) -> float:
+        if self.objective == "muls":
+            return float(acc)
+        return predicted_time(Cost(*acc))
+
+    def score(self, order: Sequence[int]) -> float:
+        """Score a complete order from scratch."""
+        self.evaluations += 1
+        return self._score(self._run(order, self.sim.start(), self._zero()))
+
+    def set_current(self, order: list[int], start: int = 0) -> float:
+        """Make `order` current, rebuilding checkpoints from position `start` on."""
+        k = min(start // self.block, len(self.checkpoints) - 1) if start else 0
+        if k <= 0:
+            state, acc, k = self.sim.start(), self._zero(), 0
+            self.checkpoints = []
+        else:
+            state, acc = self.checkpoints[k]
+            state = state.copy()
+            del self.checkpoints[k:]
+        for pos in range(k * self.block, len(order), self.block):
+            self.checkpoints.append((state.copy(), acc))
+            acc = self._run(order[pos : pos + self.block], state, acc)
+        if not self.checkpoints:
+            self.checkpoints.append((state.copy(), acc))
+        self.current = list(order)
+        self.value = self._score(acc)
+        return self.value
+
+    def score_from(self, order: Sequence[int], p: int) -> float:
+        """Score `order`, which equals the current order before position `p`."""
+        self.evaluations += 1
+        k = min(p // self.block, len(self.checkpoints) - 1)
+        state, acc = self.checkpoints[k]
+        acc = self._run(order[k * self.block :], state.copy(), acc)
+        return self._score(acc)
+
+
+def _noisy(score, rng: random.Random, noise: float):
+    def noisy(sim, state, i):
+        s = score(sim, state, i)
+        key = s[0] if isinstance(s, tuple) else s
+        return key * (1.0 + noise * rng.random()) + noise * rng.random()
+
+    return noisy
+
+
+@dataclasses.dataclass
+class OrderSearch:
+    """The result of [`graphax_eqx.search_order`][].
+
+    **Attributes:**
+
+    - `order`: the best order found (an [`graphax_eqx.Order`][]; pass it to
+        `jacve(order=...)`).
+    - `cost`: its [`graphax_eqx.EliminationCost`][].
+    - `baselines`: the costs of the named orders (`"fwd"`, `"rev"`, `"markowitz"`,
+        `"relative_markowitz"`, `"min_fill"`, `"auto"`), for comparison.
+    - `objective`: `"muls"` or `"time"`.
+    - `seed`, `evaluations` (orders scored), `elapsed_s` (search time, seconds).
+    - `trace`: `(elapsed seconds, evaluations, best objective value)` at every
+        improvement.
+    - `measured`: with `measure=True`, the median run time in seconds of each timed
+        candidate (`"searched"`, named orders, `"candidate k"`), else `None`.
+    - `machine`: with `measure=True`, where the timings were taken (platform, device,
+        versions), else `None`.
+    """
+
+    order: Order
+    cost: EliminationCost
+    baselines: dict[str, EliminationCost]
+    objective: str
+    seed: int
+    evaluations: int
+    elapsed_s: float
+    trace: list[tuple[float, int, float]]
+    measured: dict[str, float] | None = None
+    machine: dict[str, str] | None = None
+
+    @property
+    def reduction(self) -> float:
+        """Multiplications saved against the best of fwd, rev and markowitz (0..1)."""
+        best = min(self.baselines[k].num_muls for k in ("fwd", "rev", "markowitz"))
+        return 1.0 - self.cost.num_muls / best if best else 0.0
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the order, its graph fingerprint and costs as JSON to `path`."""
+        data = {
+            "format": _FORMAT,
+            "version": _FORMAT_VERSION,
+            "fingerprint": self.order.fingerprint,
+            "order": list(self.order.ids),
+            "objective": self.objective,
+            "seed": self.seed,
+            "num_muls": self.cost.num_muls,
+            "num_adds": self.cost.num_adds,
+            "baselines": {k: v.num_muls for k, v in self.baselines.items()},
+            "measured": self.measured,
+            "machine": self.machine,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        }
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+
+    def __str__(self) -> str:
+        lines = [
+            f"searched order: {self.cost.num_muls} multiplications "
+            f"({self.reduction:.1%} fewer than the best of fwd/rev/markowitz), "
+            f"{self.evaluations} orders scored in {self.elapsed_s:.1f} s"
+        ]
+        for name, c in self.baselines.items():
+            lines.append(f"  {name:<19} {c.num_muls}")
+        if self.measured:
+            for name, t in self.measured.items():
+                lines.append(f"  time {name:<14} {t * 1e6:.1f} µs")
+        return "\n".join(lines)
+
+
+def load_order(path: str | os.PathLike) -> Order:
+    """Read an order written by `OrderSearch.save`.
+
+    **Returns:**
+
+    An [`graphax_eqx.Order`][] for `jacve(order=...)`, which checks the graph
+    fingerprint when used.
+    """
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{os.fspath(path)!r} is not a saved order: {e}") from None
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        raise ValueError(
+            f"{os.fspath(path)!r} is not an order written by `OrderSearch.save`."
+        )
+    if data.get("version") != _FORMAT_VERSION:
+        raise ValueError(
+            f"{os.fspath(path)!r} has order format version {data.get('version')}; "
+            f"this graphax_eqx reads version {_FORMAT_VERSION}."
+        )
+    return Order(tuple(int(v) for v in data["order"]), str(data["fingerprint"]))
+
+
+def _machine() -> dict[str, str]:
+    import equinox
+
+    from . import __version__
+
+    dev = jax.devices()[0]
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": str(os.cpu_count()),
+        "device": f"{dev.platform}:{getattr(dev, 'device_kind', '')}",
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "equinox": equinox.__version__,
+        "numpy": np.__version__,
+        "graphax_eqx": __version__,
+    }
+
+
+def _time_candidates(fun, argnums, has_aux, args, kwargs, orders, repeats_s=1.0):
+    """Median run time of `jax.jit(jacve(fun, order))` per order, interleaved."""
+    fns = {}
+    for label, order in orders.items():
+        f = jax.jit(jacve(fun, order=tuple(order), argnums=argnums, has_aux=has_aux))
+        jax.block_until_ready(f(*args, **kwargs))
+        jax.block_until_ready(f(*args, **kwargs))
+        fns[label] = f
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    labels = list(fns)
+    deadline = time.perf_counter() + repeats_s * len(fns)
+    rep = 0
+    while rep < 7 or (time.perf_counter() < deadline and rep < 200):
+        for label in labels[rep % len(labels) :] + labels[: rep % len(labels)]:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fns[label](*args, **kwargs))
+            times[label].append(time.perf_counter() - t0)
+        rep += 1
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def search_order(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    has_aux: bool = False,
+    budget_s: float = 30.0,
+    objective: str = "muls",
+    seed: int = 0,
+    progress: bool = True,
+    measure: bool = False,
+    max_evals: int | None = None,
+) -> Callable[..., OrderSearch]:
+    """Search for a cheap elimination order of `fun`'s graph.
+
+    The search scores complete orders on the structural simulator (no FLOPs, the same
+    counts as `count_ops=True`). It starts from the named heuristics, runs randomised
+    greedy restarts (Markowitz, relative Markowitz and lowest fill-in with noisy
+    scores) for the first fifth of the budget, then improves the best order by
+    simulated annealing with swap and insert moves, replaying only the changed tail of
+    an order. See `docs/orders.md` for the workflow: search once, save, load.
+
+    **Arguments:**
+
+    - `fun`, `argnums`, `has_aux`: as for [`graphax_eqx.jacve`][].
+    - `budget_s`: seconds to search for (the search stops at the first scored order
+        past it).
+    - `objective`: `"muls"` (multiplications) or `"time"` (the calibrated run-time
+        model, which weighs multiplications, additions, memory traffic and products).
+    - `seed`: the random seed. The search is deterministic for a seed and a number of
+        scored orders; pass `max_evals` (and a generous `budget_s`) to make it stop
+        at the same point on any machine.
+    - `progress`: show a progress bar with the best cost so far.
+    - `measure`: with `objective="time"`, also compile and time the best few orders
+        (and fwd / rev / markowitz) with `jax.jit` on the given arguments, and return
+        the fastest. The result records the timings and the machine.
+    - `max_evals`: stop after this many scored orders.
+
+    **Returns:**
+
+    A function taking `fun`'s arguments and returning an
+    [`graphax_eqx.OrderSearch`][].
+
+    Example:
+
+    ```python
+    import jax.numpy as jnp
+    import graphax_eqx as gx
+
+    def f(x):
+        y = jnp.sin(x[0] * x[1]) + jnp.cos(x[1] * x[2])
+        return jnp.stack([y * x[0], y * x[2], jnp.exp(y)])
+
+    found = gx.search_order(f, budget_s=1.0, progress=False)(jnp.ones(3))
+    jac = gx.jacve(f, order=found.order)(jnp.ones(3))
+    ```
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(
+            f"`search_order` got `objective={objective!r}`; use one of "
+            f"{', '.join(repr(o) for o in OBJECTIVES)}."
+        )
+    if measure and objective != "time":
+        raise ValueError(
+            "`search_order(..., measure=True)` times candidates, which only makes "
+            "sense with `objective='time'`."
+        )
+    if not (isinstance(budget_s, (int, float)) and budget_s >= 0):
+        raise ValueError(
+            f"`search_order` got `budget_s={budget_s!r}`; use seconds >= 0."
+        )
+    if max_evals is not None and (not isinstance(max_evals, int) or max_evals < 1):
+        raise ValueError(
+            f"`search_order` got `max_evals={max_evals!r}`; use a positive int or None."
+        )
+
+    def run(*args, **kwargs) -> OrderSearch:
+        pat = _patterns(fun, argnums, has_aux, args, kwargs, "search_order")
+        settings = _Settings(budget_s, objective, seed, progress, measure, max_evals)
+        return _search(fun, argnums, has_aux, args, kwargs, pat, settings)
+
+    return run
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    budget_s: float
+    objective: str
+    seed: int
+    progress: bool
+    measure: bool
+    max_evals: int | None
+
+
+def _search(fun, argnums, has_aux, args, kwargs, pat: _Patterns, settings: _Settings):
+    budget_s, objective, seed = settings.budget_s, settings.objective, settings.seed
+    max_evals = settings.max_evals
+    t_start = time.perf_counter()
+    rng = random.Random(seed)
+    inter = list(pat.structure.intermediates)
+    sim = Simulator(pat.graph, inter)
+    named = candidates(sim)
+    named["auto"] = resolve("auto", pat.graph, pat.structure)
+    baselines = {
+        k: _full_cost(sim, v, pat.graph_adds, pat.fingerprint) for k, v in named.items()
+    }
+    obj = _Objective(sim, objective)
+    index = sim.index
+
+    def internal(ids):
+        return [index[v] for v in ids]
+
+    trace: list[tuple[float, int, float]] = []
+    best_value, best = math.inf, []
+    # The best few distinct orders seen, for timing with `measure=True`.
+    pool: list[tuple[float, tuple[int, ...]]] = []
+
+    def offer(value: float, order: list[int]):
+        nonlocal best_value, best
+        key = tuple(order)
+        if all(key != o for _, o in pool):
+            heapq.heappush(pool, (-value, key))
+            if len(pool) > 4:
+                heapq.heappop(pool)
+        if value < best_value:
+            best_value, best = value, list(order)
+            trace.append((time.perf_counter() - t_start, obj.evaluations, value))
+            if bar is not None:
+                bar.set_postfix_str(f"best {objective}={_fmt(value, objective)}")
+
+    bar = None
+    if settings.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=100, desc="search_order", unit="%", leave=True)
+
+    def fraction() -> float:
+        f = (time.perf_counter() - t_start) / budget_s if budget_s > 0 else 1.0
+        if max_evals is not None:
+            f = max(f, obj.evaluations / max_evals)
+        return min(f, 1.0)
+
+    shown = 0
+
+    def tick():
+        nonlocal shown
+        if bar is not None:
+            now = int(100 * fraction())
+            if now > shown:
+                bar.update(now - shown)
+                shown = now
+
+    def done() -> bool:
+        if max_evals is not None and obj.evaluations >= max_evals:
+            return True
+        return time.perf_counter() - t_start >= budget_s
+
+    try:
+        for name in ("fwd", "rev", "markowitz", "relative_markowitz", "min_fill"):
+            offer(obj.score(internal(named[name])), internal(named[name]))
+        # Randomised greedy restarts.
+        scores = [
+            lambda s, st, i: s.vertex_muls(st, i),
+            lambda s, st, i: (
+                s.vertex_muls(st, i) / max(len(st.pred[i]) + len(st.succ[i]), 1)
+            ),
+            lambda s, st, i: s.vertex_fill(st, i)[1] + 1e-3 * s.vertex_muls(st, i),
+        ]
+        while not done() and fraction() < 0.2:
+            state = sim.start()
+            pre = (
+                [index[v] for v in safe_preeliminations(sim, state)]
+                if rng.random() < 0.5
+                else []
+            )
+            noise = rng.choice((0.05, 0.15, 0.4))
+            score = _noisy(rng.choice(scores), rng, noise)
+            order = pre + internal(greedy(sim, score, state))
+            offer(obj.score(order), order)
+            tick()
+        # Simulated annealing from the best order.
+        current_value = obj.set_current(best)
+        n = len(best)
+        t_sa = fraction()
+        stall = 0
+        while n > 1 and not done():
+            f = (fraction() - t_sa) / max(1.0 - t_sa, 1e-9)
+            temperature = best_value * (0.01 * (0.02**f)) + 1e-9
+            cand = list(obj.current)
+            i = rng.randrange(n)
+            if rng.random() < 0.5:
+                j = min(n - 1, max(0, i + rng.randint(-8, 8)))
+                cand[i], cand[j] = cand[j], cand[i]
+            else:
+                j = rng.randrange(n)
+                cand.insert(j, cand.pop(i))
+            p = min(i, j)
+            if cand == obj.current:
+                continue
+            value = obj.score_from(cand, p)
+            delta = value - current_value
+            if delta <= 0 or rng.random() < math.exp(-delta / temperature):
+                current_value = obj.set_current(cand, p)
+                if value < best_value:
+                    stall = 0
+                offer(value, cand)
+            else:
+                stall += 1
+            if stall > 20 * n:
+                # Restart from the best order found so far.
+                current_value = obj.set_current(best)
+                stall = 0
+            if obj.evaluations % 64 == 0:
+                tick()
+    finally:
+        if bar is not None:
+            bar.update(100 - shown)
+            bar.close()
+
+    best_ids = [sim.vertices[i] for i in best]
+    measured = machine = None
+    if settings.measure:
+        orders = {"searched": best_ids}
+        for name in ("fwd", "rev", "markowitz", "auto"):
+            orders.setdefault(name, named[name])
+        k = 0
+        for _, o in sorted(pool, reverse=True):
+            ids = [sim.vertices[i] for i in o]
+            if ids not in orders.values():
+                k += 1
+                orders[f"candidate {k}"] = ids
+        measured = _time_candidates(fun, argnums, has_aux, args, kwargs, orders)
+        machine = _machine()
+        fastest = min(measured, key=measured.__getitem__)
+        best_ids = orders[fastest]
+    elapsed = time.perf_counter() - t_start
+    cost = _full_cost(sim, best_ids, pat.graph_adds, pat.fingerprint)
+    return OrderSearch(
+        cost.order,
+        cost,
+        baselines,
+        objective,
+        seed,
+        obj.evaluations,
+        elapsed,
+        trace,
+        measured,
+        machine,
+    )
+
+
+def _fmt(value: float, objective: str) -> str:
+    return f"{int(value)}" if objective == "muls" else f"{value:.4g}"
