@@ -210,5 +210,6 @@ def test_random_programs_all_orders(program, data):
     random_order = data.draw(
         st.permutations([int(v) for v in graph.intermediates]), label="order"
     )
-    for order in ("fwd", "rev", "markowitz", "auto", random_order):
+    orders = ("fwd", "rev", "markowitz", "relative_markowitz", "min_fill", "auto")
+    for order in (*orders, random_order):
         check_jacve(program, args, order, argnums=argnums, references=references)

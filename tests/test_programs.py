@@ -1120,13 +1120,17 @@ def _run(program: Program, dtype: Any, order: str) -> None:
     )
 
 
-@pytest.mark.parametrize("order", ORDERS)
+# The greedy heuristics beyond Markowitz run through the whole parity table too.
+PARITY_ORDERS = ORDERS + ("relative_markowitz", "min_fill")
+
+
+@pytest.mark.parametrize("order", PARITY_ORDERS)
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
 def test_parity_float32(program, order):
     _run(program, np.float32, order)
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("order", PARITY_ORDERS)
 @pytest.mark.parametrize(
     "program", [p for p in PROGRAMS if p.float64], ids=lambda p: p.name
 )
