@@ -3,7 +3,7 @@
 import nox
 
 
-nox.options.sessions = ["lint", "tests"]
+nox.options.sessions = ["lint", "typecheck", "tests"]
 
 
 @nox.session
@@ -14,14 +14,15 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6")
+    # The `dev` extra pins the exact tool versions.
+    session.install("-e", ".[dev]")
     session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", "graphax_eqx")
+    session.run("ruff", "format", "--check", ".")
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    session.install("-e", ".", "pyright>=1.1.380")
+    session.install("-e", ".[dev]")
     session.run("pyright", "graphax_eqx")
 
 

@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import math
 import os
 import platform
@@ -57,6 +58,10 @@ ORDERS = ("fwd", "rev", "markowitz", "auto")
 JACVE_METHODS = tuple(f"jacve[{order}]" for order in ORDERS)
 JAX_METHODS = ("jax.jacfwd", "jax.jacrev")
 METHODS = JACVE_METHODS + JAX_METHODS
+# The report's tables show these; the other orders are folded under each table, so
+# that every table stays narrow enough to read on one page.
+HEADLINE_METHODS = ("jacve[auto]", *JAX_METHODS)
+DETAIL_METHODS = tuple(m for m in METHODS if m not in HEADLINE_METHODS)
 DTYPE = jnp.float32
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -621,49 +626,85 @@ def _method_cell(result: TaskResult, batch: int, method: str, value: str) -> str
     return value
 
 
+def _details(summary: str, body: str) -> str:
+    """`body` folded under `summary`; GitHub and the docs site (`md_in_html`) both
+    render the Markdown inside, and the site styles it as a collapsed note."""
+    return (
+        f'\n<details class="note" markdown="1">\n<summary>{summary}</summary>\n\n'
+        f"{body}\n\n</details>\n"
+    )
+
+
+def _method_tables(
+    lead_header: Sequence[str],
+    rows: Sequence[tuple[Sequence[str], Callable[[str], str], Sequence[str]]],
+    trail_header: Sequence[str] = (),
+    keep: int = 1,
+) -> str:
+    """The headline methods' table, then the other orders' table folded away.
+
+    Each row is `(lead, cell, trail)`: its first cells, a function from method to
+    cell, and cells that follow the headline methods. The folded table repeats only
+    the first `keep` lead cells, which name the row.
+    """
+    headline = _table(
+        [*lead_header, *HEADLINE_METHODS, *trail_header],
+        [
+            [*lead, *(cell(m) for m in HEADLINE_METHODS), *trail]
+            for lead, cell, trail in rows
+        ],
+    )
+    detail = _table(
+        [*lead_header[:keep], *DETAIL_METHODS],
+        [[*lead[:keep], *(cell(m) for m in DETAIL_METHODS)] for lead, cell, _ in rows],
+    )
+    orders = ", ".join(f"<code>{m}</code>" for m in DETAIL_METHODS)
+    return headline + "\n" + _details(f"Other elimination orders: {orders}", detail)
+
+
 def _per_batch_tables(results, settings: Settings, cell) -> list[str]:
-    """One `### Batch N` table per batch size, a row per task, a column per method."""
+    """One `### Batch N` section per batch size, a row per task, a column per method."""
     parts = []
     for batch in settings.batch_sizes:
         parts.append(f"\n### Batch {batch}\n")
-        rows = [[r.task.name] + [cell(r, batch, m) for m in METHODS] for r in results]
-        parts.append(_table(["task", *METHODS], rows))
+        rows = [([r.task.name], functools.partial(cell, r, batch), ()) for r in results]
+        parts.append(_method_tables(["task"], rows))
     return parts
 
 
 def render_tasks(results: Sequence[TaskResult], settings: Settings) -> str:
-    parts = []
-    summary_rows = []
-    for r in results:
-        counts = [_fmt_int(r.counts.get(order)) for order in ORDERS]
-        if r.auto_choice is not None and r.counts.get("auto") is not None:
-            counts[3] = f"{counts[3]} ({r.auto_choice})"
-        speedups = [_fmt_speedup(r.speedup(b)) for b in settings.batch_sizes]
-        summary_rows.append(
-            [r.task.name, r.task.summary, _fmt_int(r.num_eqns), *counts, *speedups]
-        )
-    parts.append("## Summary\n")
+    parts = ["## Summary\n"]
     parts.append(
-        "Multiplications of the Jacobian by each elimination order, and the speed-up "
-        'of `jacve` with `order="auto"` over the faster of `jax.jacfwd` and '
-        "`jax.jacrev` (median runtime ratio; above 1 means `jacve` is faster).\n"
+        'Speed-up of `jacve` with `order="auto"` over the faster of `jax.jacfwd` and '
+        "`jax.jacrev`, per batch size (median runtime ratio; above 1 means `jacve` is "
+        "faster).\n"
     )
     parts.append("![Speed-up per task and batch size](benchmarks_speedup.png)\n")
     parts.append(
         _table(
+            ["task", *[f"batch {b}" for b in settings.batch_sizes], "function"],
             [
-                "task",
-                "function",
-                "eqns",
-                "muls fwd",
-                "muls rev",
-                "muls markowitz",
-                "muls auto (picked)",
-                *[f"speed-up @ batch {b}" for b in settings.batch_sizes],
+                [
+                    r.task.name,
+                    *[_fmt_speedup(r.speedup(b)) for b in settings.batch_sizes],
+                    r.task.summary,
+                ]
+                for r in results
             ],
-            summary_rows,
         )
     )
+    parts.append("\n### Multiplications\n")
+    parts.append(
+        "Multiplications of the Jacobian by each elimination order; `auto` names the "
+        "order it picked.\n"
+    )
+    count_rows = []
+    for r in results:
+        counts = [_fmt_int(r.counts.get(order)) for order in ORDERS]
+        if r.auto_choice is not None and r.counts.get("auto") is not None:
+            counts[3] = f"{counts[3]} ({r.auto_choice})"
+        count_rows.append([r.task.name, _fmt_int(r.num_eqns), *counts])
+    parts.append(_table(["task", "eqns", *ORDERS], count_rows))
 
     for batch in settings.batch_sizes:
         what = (
@@ -675,19 +716,13 @@ def render_tasks(results: Sequence[TaskResult], settings: Settings) -> str:
         parts.append(f"Median wall time per call of {what}.\n")
         rows = []
         for r in results:
-            cells = [
-                _method_cell(r, batch, m, _fmt_time(r.median.get((batch, m))))
-                for m in METHODS
-            ]
-            rows.append(
-                [
-                    r.task.name,
-                    *cells,
-                    _fmt_speedup(r.speedup(batch)),
-                    str(r.repeats.get(batch, 0)),
-                ]
-            )
-        parts.append(_table(["task", *METHODS, "speed-up auto", "repeats"], rows))
+
+            def cell(m, r=r, batch=batch):
+                return _method_cell(r, batch, m, _fmt_time(r.median.get((batch, m))))
+
+            lead = [r.task.name, _fmt_speedup(r.speedup(batch))]
+            rows.append((lead, cell, [str(r.repeats.get(batch, 0))]))
+        parts.append(_method_tables(["task", "speed-up auto"], rows, ["repeats"]))
 
     parts.append("\n## First call\n")
     parts.append(
@@ -731,12 +766,13 @@ def render_tasks(results: Sequence[TaskResult], settings: Settings) -> str:
     )
     rows = []
     for r in results:
-        cells = []
-        for m in METHODS:
+
+        def cell(m, r=r):
             errors = [r.error[b, m] for b in settings.batch_sizes if (b, m) in r.error]
-            cells.append("—" if not errors else f"{max(errors):.1e}")
-        rows.append([r.task.name, *cells])
-    parts.append(_table(["task", *METHODS], rows))
+            return "—" if not errors else f"{max(errors):.1e}"
+
+        rows.append(([r.task.name], cell, ()))
+    parts.append(_method_tables(["task"], rows))
     return "\n".join(parts)
 
 
@@ -778,7 +814,6 @@ def render_training(training: TrainingResult | None) -> str:
 def render_scaling(rows: Sequence[ScalingRow] | None) -> str:
     if rows is None:
         return ""
-    methods = (JACVE_METHODS if graphax_eqx is not None else ()) + JAX_METHODS
     parts = ["\n## Scaling with graph size\n"]
     parts.append(
         f"Trace and lower (no compilation, no run) `jax.jit(jac(f))` for "
@@ -787,12 +822,15 @@ def render_scaling(rows: Sequence[ScalingRow] | None) -> str:
     )
     table_rows = []
     for row in rows:
-        cells = []
-        for m in methods:
+
+        def cell(m, row=row):
             value = row.seconds.get(m)
-            cells.append(_fmt_time(value) if isinstance(value, float) else str(value))
-        table_rows.append([_fmt_int(row.num_eqns), str(row.steps), *cells])
-    parts.append(_table(["eqns", "K", *methods], table_rows))
+            if value is None:
+                return "—"
+            return _fmt_time(value) if isinstance(value, float) else str(value)
+
+        table_rows.append(([_fmt_int(row.num_eqns), str(row.steps)], cell, ()))
+    parts.append(_method_tables(["eqns", "K"], table_rows, keep=2))
     return "\n".join(parts)
 
 
@@ -865,8 +903,8 @@ def render_header(settings: Settings, command: str, elapsed: float | None) -> st
             for b in settings.batch_sizes
         )
         + ". Multiplication counts come from `jacve(f, order=o, count_ops=True)` on "
-        'one unbatched example, evaluated abstractly; "picked" is the order '
-        '`order="auto"` chose. Baselines follow the design: '
+        "one unbatched example, evaluated abstractly; the order named next to the "
+        '`auto` count is the one `order="auto"` chose. Baselines follow the design: '
         "`jax.vmap(jax.jacfwd(f))` and `jax.vmap(jax.jacrev(f))` per example, never "
         "`jax.jacrev(jax.vmap(f))`."
     )
@@ -886,7 +924,9 @@ def render_header(settings: Settings, command: str, elapsed: float | None) -> st
         "arithmetic shows from batch 512 on. Multiplication counts "
         "describe the elimination, not XLA's fused kernels, so a lower count need not "
         "mean a faster program. In the first-call tables, the total minus the part in "
-        "parentheses is XLA compilation plus one run."
+        "parentheses is XLA compilation plus one run. Each table shows `jacve` with "
+        '`order="auto"` next to the JAX baselines; the forward, reverse and Markowitz '
+        "orders are folded underneath it."
     )
     lines.append("")
     return "\n".join(lines)
@@ -915,33 +955,35 @@ def plot_speedups(
     names = [r.task.name for r in results]
     batches = settings.batch_sizes
     width = 0.8 / len(batches)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names) + 2), 4.5))
-    positions = np.arange(len(names))
-    for i, batch in enumerate(batches):
-        offsets = positions + (i - (len(batches) - 1) / 2) * width
-        values = [r.speedup(batch) for r in results]
-        heights = [np.nan if v is None else v for v in values]
-        ax.bar(offsets, heights, width, label=f"batch {batch}")
-        for x, value in zip(offsets, values, strict=True):
-            if value is None:
-                ax.text(
-                    x, 1.0, "n/a", ha="center", va="bottom", fontsize=7, rotation=90
-                )
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_yscale("log", base=2)
-    ax.yaxis.set_major_locator(LogLocator(base=2))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}×"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
-    low, high = ax.get_ylim()
-    ax.set_ylim(min(low, 0.5), max(high, 2.0))
-    ax.set_xticks(positions)
-    ax.set_xticklabels(names, rotation=30, ha="right")
-    ax.set_ylabel('speed-up of jacve(order="auto")\nover faster of jax.jacfwd / jacrev')
-    ax.set_title("Jacobian runtime, jacve vs JAX (above 1: jacve faster)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    # Text no smaller than the page's: the figure is shown scaled down on the site.
+    with plt.rc_context({"font.size": 12}):
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names) + 2), 5.5))
+        positions = np.arange(len(names))
+        for i, batch in enumerate(batches):
+            offsets = positions + (i - (len(batches) - 1) / 2) * width
+            values = [r.speedup(batch) for r in results]
+            heights = [np.nan if v is None else v for v in values]
+            ax.bar(offsets, heights, width, label=f"batch {batch}")
+            for x, value in zip(offsets, values, strict=True):
+                if value is None:
+                    ax.text(x, 1.0, "n/a", ha="center", va="bottom", rotation=90)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_locator(LogLocator(base=2))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}×"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        low, high = ax.get_ylim()
+        ax.set_ylim(min(low, 0.5), max(high, 2.0))
+        ax.set_xticks(positions)
+        ax.set_xticklabels(names, rotation=30, ha="right")
+        ax.set_ylabel(
+            'speed-up of jacve(order="auto")\nover faster of jax.jacfwd / jacrev'
+        )
+        ax.set_title("Jacobian runtime, jacve vs JAX (above 1: jacve faster)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
 
 
 # ---------------------------------------------------------------------------

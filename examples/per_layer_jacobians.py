@@ -26,6 +26,7 @@ import graphax_eqx as gx
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def zero_fraction(array):
@@ -89,30 +90,35 @@ def show_structure(model, x):
 
 
 def plot(param_jac, input_rows, path):
+    plt.rcParams.update({"font.size": 11, "axes.titlesize": 11})
     # One column per layer: |d out / d weight| and |d out / d bias| summed over the
     # model outputs, then the layer's own input-output Jacobian.
     n = len(param_jac.layers)
-    fig, axes = plt.subplots(3, n, figsize=(2.8 * n, 7.5), squeeze=False)
+    fig, axes = plt.subplots(3, n, figsize=(4.0 * n, 10.5), squeeze=False)
     for i, (layer_jac, (_, _, in_jac)) in enumerate(zip(param_jac.layers, input_rows)):
         weight = jnp.abs(layer_jac.weight).sum(axis=0)
         image = axes[0, i].imshow(weight, cmap="viridis", aspect="auto")
-        fig.colorbar(image, ax=axes[0, i], fraction=0.046).ax.tick_params(labelsize=6)
-        axes[0, i].set_title(f"|d out / d layers[{i}].weight|", fontsize=8)
-        axes[0, i].set_xlabel("fan in", fontsize=7)
-        axes[0, i].set_ylabel("fan out", fontsize=7)
+        fig.colorbar(image, ax=axes[0, i], fraction=0.046)
+        axes[0, i].set_title(f"|d out / d layers[{i}].weight|")
+        axes[0, i].set_xlabel("fan in")
+        axes[0, i].set_ylabel("fan out")
 
         bias = jnp.abs(layer_jac.bias).sum(axis=0)
         axes[1, i].bar(range(bias.shape[0]), bias, color="tab:blue")
-        axes[1, i].set_title(f"|d out / d layers[{i}].bias|", fontsize=8)
+        axes[1, i].set_title(f"|d out / d layers[{i}].bias|")
+        axes[1, i].set_xlabel("fan out")
 
         image = axes[2, i].imshow(jnp.abs(in_jac), cmap="magma", aspect="auto")
-        fig.colorbar(image, ax=axes[2, i], fraction=0.046).ax.tick_params(labelsize=6)
-        axes[2, i].set_title(f"|d layers[{i}](h) / d h|", fontsize=8)
-        axes[2, i].set_xlabel("input", fontsize=7)
-        axes[2, i].set_ylabel("output", fontsize=7)
+        fig.colorbar(image, ax=axes[2, i], fraction=0.046)
+        axes[2, i].set_title(f"|d layers[{i}](h) / d h|")
+        axes[2, i].set_xlabel("input")
+        axes[2, i].set_ylabel("output")
     for ax in axes.ravel():
-        ax.tick_params(labelsize=6)
-    fig.suptitle("Per-layer Jacobian magnitudes")
+        # Rows and columns are array indices: whole numbers only.
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in (*axes[0], *axes[2]):
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle("Per-layer Jacobian magnitudes", fontsize=14)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -7,7 +7,9 @@ from ._equinox import (
 )
 from ._indexed import CooTensor as CooTensor
 from ._jacve import (
+    Edge as Edge,
     Graph as Graph,
+    Vertex as Vertex,
     jacve as jacve,
     make_graph as make_graph,
     value_and_jacve as value_and_jacve,

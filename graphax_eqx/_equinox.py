@@ -1,14 +1,15 @@
 """Filtered Jacobians for Equinox models.
 
-The transforms here sit on top of [`graphax_eqx.jacve`][] and
-[`graphax_eqx.value_and_jacve`][]. They split each differentiated argument into its
+The transforms here sit on top of `graphax_eqx.jacve` and
+`graphax_eqx.value_and_jacve`. They split each differentiated argument into its
 floating-point array leaves and everything else, hand only flat lists of arrays to the
 core engine, and rebuild the results so that every Jacobian has the shape of the
 object it was taken with respect to (`None` wherever a leaf was not differentiated).
 """
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, ParamSpec, overload
+from typing import Any, Literal, ParamSpec, TypeVar, cast, overload
 
 import equinox as eqx
 import jax.tree_util as jtu
@@ -19,38 +20,44 @@ from ._orders import normalise_order
 
 
 _P = ParamSpec("_P")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 Order = str | Sequence[int]
 
 
-class _Sentinel:
-    def __repr__(self) -> str:
-        return "sentinel"
-
-
-# Marks "no function given yet", so that the transforms work as bare decorators and as
-# decorator factories called with keyword arguments.
-sentinel: Any = _Sentinel()
-
-
 def _normalise_order(order: Order, api: str) -> Order:
     # Checked early, and explicit orders become tuples so that they are hashable: the
-    # wrappers keep the order as static metadata, which `eqx.filter_jit` hashes.
-    return normalise_order(order, api)
+    # wrappers keep the order as static metadata, which `eqx.filter_jit` hashes. A
+    # saved `graphax_eqx.Order` comes back as itself: hashable, and a sequence of ids
+    # in all but its declared type.
+    return cast(Order, normalise_order(order, api))
 
 
-def _refuse_kwargs(api: str, kwargs: dict[str, Any]) -> None:
-    if "argnums" in kwargs:
-        raise ValueError(
-            f"`{api}` does not take `argnums` (got `argnums={kwargs['argnums']!r}`). "
-            "It always differentiates the first positional argument. To "
-            "differentiate several objects, pack them into a tuple and pass that "
-            "tuple as the first argument, e.g. `fun((model, x), y)`; or use "
-            "`graphax_eqx.eqx_jacve`, which takes `argnums`."
-        )
-    if kwargs:
-        names = ", ".join(f"`{name}`" for name in kwargs)
-        raise TypeError(f"`{api}` got unexpected keyword argument(s): {names}.")
+def _refuses_argnums(api: str) -> Callable[[_F], _F]:
+    """Make `argnums=` an error that says what to do instead.
+
+    The decorated transform keeps its own signature (`help` and the docs show it);
+    any other unexpected keyword is Python's usual `TypeError`.
+    """
+
+    def decorator(transform: _F) -> _F:
+        @functools.wraps(transform)
+        def wrapper(*args, **kwargs):
+            if "argnums" in kwargs:
+                raise ValueError(
+                    f"`{api}` does not take `argnums` (got "
+                    f"`argnums={kwargs['argnums']!r}`). It always differentiates the "
+                    "first positional argument. To differentiate several objects, "
+                    "pack them into a tuple and pass that tuple as the first "
+                    "argument, e.g. `fun((model, x), y)`; or use "
+                    "`graphax_eqx.eqx_jacve`, which takes `argnums`."
+                )
+            return transform(*args, **kwargs)
+
+        # `functools.wraps` keeps the name, docstring and signature of `transform`.
+        return cast(_F, wrapper)
+
+    return decorator
 
 
 def _resolve_argnums(
@@ -123,11 +130,11 @@ def _differentiate(
             call_args[i] = eqx.combine(diff, call_args[i])
             start += size
         out = fun(*call_args, **call_kwargs)
-        if has_aux:
-            out, aux = _split_output(api, out)
-        out_leaves, traced["out"] = jtu.tree_flatten(out)
         if not has_aux:
+            out_leaves, traced["out"] = jtu.tree_flatten(out)
             return out_leaves
+        out, aux = _split_output(api, out)
+        out_leaves, traced["out"] = jtu.tree_flatten(out)
         # `aux` may hold arbitrary Python objects; only its arrays cross the engine.
         aux_dynamic, aux_static = eqx.partition(aux, eqx.is_array)
         aux_leaves, aux_treedef = jtu.tree_flatten(aux_dynamic)
@@ -180,11 +187,13 @@ def _differentiate(
 
     if has_aux:
         aux_treedef, aux_static = traced["aux"]
+        assert aux_leaves is not None
         aux = eqx.combine(jtu.tree_unflatten(aux_treedef, aux_leaves), aux_static)
     else:
         aux = None
 
     if with_value:
+        assert out_leaves is not None
         out = jtu.tree_unflatten(out_treedef, out_leaves)
         return ((out, aux), jac) if has_aux else (out, jac)
     result = (jac, aux) if has_aux else jac
@@ -277,19 +286,19 @@ def filter_jacve(
 ) -> Callable[_P, Any]: ...
 
 
+@_refuses_argnums("filter_jacve")
 def filter_jacve(
-    fun=sentinel,
+    fun: Callable | None = None,
     *,
     order: Order = "auto",
     has_aux: bool = False,
     count_ops: bool = False,
     sparse_representation: bool = False,
-    **kwargs,
 ) -> Callable:
     """Creates a function that computes the Jacobian of `fun` with respect to every
     floating-point array in its first argument, by vertex elimination.
 
-    This is the filtered counterpart of [`graphax_eqx.jacve`][], in the way that
+    This is the filtered counterpart of `graphax_eqx.jacve`, in the way that
     `equinox.filter_jacrev` is the filtered counterpart of `jax.jacrev`. The first
     positional argument may be any PyTree, typically an `equinox.Module`: its
     floating-point JAX and NumPy arrays are differentiated; every other leaf (integer
@@ -310,6 +319,7 @@ def filter_jacve(
     **Arguments:**
 
     - `fun`: the function to differentiate. Its output must be a PyTree of arrays.
+        If it is omitted, the result is a decorator that takes `fun`.
     - `order`: the vertex elimination order: `"fwd"`, `"rev"`, `"markowitz"`,
         `"auto"` (the cheapest of the three, the default), or an explicit sequence of
         vertex ids. The order changes the cost, never the result (up to rounding).
@@ -318,11 +328,11 @@ def filter_jacve(
         object, not only arrays.
     - `count_ops`: if `True`, also return the operation counts of the elimination.
     - `sparse_representation`: if `True`, the Jacobian leaves are
-        [`graphax_eqx.SparseTensor`][]s or [`graphax_eqx.CooTensor`][]s that keep
+        `graphax_eqx.SparseTensor`s or `graphax_eqx.CooTensor`s that keep
         the structure of the Jacobian, instead of dense arrays.
 
     `argnums` is not accepted: pass several objects as one tuple in the first
-    argument instead, or use [`graphax_eqx.eqx_jacve`][].
+    argument instead, or use `graphax_eqx.eqx_jacve`.
 
     **Returns:**
 
@@ -332,33 +342,30 @@ def filter_jacve(
     integers under the keys `"num_muls"` and `"num_adds"`, together with the order
     used (`"order"`, `"order_counts"`).
 
-    !!! example
+    **Example:**
 
-        ```python
-        import equinox as eqx
-        import jax.numpy as jnp
-        import jax.random as jr
-        import graphax_eqx as gx
+    ```python
+    import equinox as eqx
+    import jax.numpy as jnp
+    import jax.random as jr
+    import graphax_eqx as gx
 
-        model = eqx.nn.MLP(3, 2, width_size=8, depth=2, key=jr.PRNGKey(0))
-        x = jnp.ones(3)
+    model = eqx.nn.MLP(3, 2, width_size=8, depth=2, key=jr.PRNGKey(0))
+    x = jnp.ones(3)
 
-        @gx.filter_jacve(order="markowitz")
-        def forward(model, x):
-            return model(x)
+    @gx.filter_jacve(order="markowitz")
+    def forward(model, x):
+        return model(x)
 
-        jac = forward(model, x)
-        jac.layers[0].weight.shape  # (2, 8, 3): output shape + weight shape
-        jac.activation  # None: not differentiated
-        ```
+    jac = forward(model, x)
+    jac.layers[0].weight.shape  # (2, 8, 3): output shape + weight shape
+    jac.activation  # None: not differentiated
+    ```
 
-    !!! tip
-
-        To differentiate with respect to both a model and its input, pack them:
-        `filter_jacve(lambda mx: mx[0](mx[1]))((model, x))`.
+    **Tip:** to differentiate with respect to both a model and its input, pack them:
+    `filter_jacve(lambda mx: mx[0](mx[1]))((model, x))`.
     """
-    _refuse_kwargs("filter_jacve", kwargs)
-    if fun is sentinel:
+    if fun is None:
 
         def decorator(fun):
             return filter_jacve(
@@ -406,8 +413,9 @@ def filter_value_and_jacve(
 ) -> Callable[_P, tuple[tuple[Any, Any], PyTree]]: ...
 
 
+@_refuses_argnums("filter_value_and_jacve")
 def filter_value_and_jacve(
-    fun=sentinel, *, order: Order = "auto", has_aux: bool = False, **kwargs
+    fun: Callable | None = None, *, order: Order = "auto", has_aux: bool = False
 ) -> Callable:
     """Creates a function that evaluates `fun` and its Jacobian with respect to the
     first argument, in one pass.
@@ -415,7 +423,7 @@ def filter_value_and_jacve(
     The counterpart of `equinox.filter_value_and_grad`: differentiation is with
     respect to every floating-point JAX or NumPy array in the first positional
     argument, all other leaves get `None`, and the other arguments are passed through
-    undifferentiated. The Jacobian is laid out as in [`graphax_eqx.filter_jacve`][];
+    undifferentiated. The Jacobian is laid out as in `graphax_eqx.filter_jacve`;
     for a scalar loss it is a gradient shaped like the model, ready for `optax`.
 
     Works as `filter_value_and_jacve(fun)`, `@filter_value_and_jacve` and
@@ -424,8 +432,8 @@ def filter_value_and_jacve(
     **Arguments:**
 
     - `fun`: the function to evaluate and differentiate. Its output must be a PyTree
-        of arrays.
-    - `order`: the vertex elimination order, as in [`graphax_eqx.filter_jacve`][].
+        of arrays. If it is omitted, the result is a decorator that takes `fun`.
+    - `order`: the vertex elimination order, as in `graphax_eqx.filter_jacve`.
     - `has_aux`: if `True`, `fun` returns a pair `(output, aux)`; `aux` may be any
         Python object and is returned unchanged.
 
@@ -437,32 +445,31 @@ def filter_value_and_jacve(
     A function with the same arguments as `fun`, returning `(value, jacobian)`, or
     `((value, aux), jacobian)` if `has_aux=True`.
 
-    !!! example
+    **Example:**
 
-        ```python
-        import equinox as eqx
-        import jax.numpy as jnp
-        import jax.random as jr
-        import optax
-        import graphax_eqx as gx
+    ```python
+    import equinox as eqx
+    import jax.numpy as jnp
+    import jax.random as jr
+    import optax
+    import graphax_eqx as gx
 
-        model = eqx.nn.MLP(2, 1, width_size=16, depth=2, key=jr.PRNGKey(0))
-        optim = optax.adam(1e-2)
-        opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
+    model = eqx.nn.MLP(2, 1, width_size=16, depth=2, key=jr.PRNGKey(0))
+    optim = optax.adam(1e-2)
+    opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
 
-        @eqx.filter_jit
-        def step(model, opt_state, x, y):
-            def loss(model, x, y):
-                pred = eqx.filter_vmap(model)(x)
-                return jnp.mean((pred - y) ** 2)
+    @eqx.filter_jit
+    def step(model, opt_state, x, y):
+        def loss(model, x, y):
+            pred = eqx.filter_vmap(model)(x)
+            return jnp.mean((pred - y) ** 2)
 
-            value, grads = gx.filter_value_and_jacve(loss)(model, x, y)
-            updates, opt_state = optim.update(grads, opt_state, model)
-            return eqx.apply_updates(model, updates), opt_state, value
-        ```
+        value, grads = gx.filter_value_and_jacve(loss)(model, x, y)
+        updates, opt_state = optim.update(grads, opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state, value
+    ```
     """
-    _refuse_kwargs("filter_value_and_jacve", kwargs)
-    if fun is sentinel:
+    if fun is None:
 
         def decorator(fun):
             return filter_value_and_jacve(fun, order=order, has_aux=has_aux)
@@ -482,7 +489,7 @@ def eqx_jacve(
     count_ops: bool = False,
     sparse_representation: bool = False,
 ) -> Callable[_P, Any]:
-    """Like [`graphax_eqx.jacve`][], but each differentiated argument may be any
+    """Like `graphax_eqx.jacve`, but each differentiated argument may be any
     PyTree, such as an `equinox.Module`.
 
     Every argument selected by `argnums` is split into its floating-point array
@@ -496,14 +503,14 @@ def eqx_jacve(
     **Arguments:**
 
     - `fun`: the function to differentiate. Its output must be a PyTree of arrays.
-    - `order`: the vertex elimination order, as in [`graphax_eqx.jacve`][].
+    - `order`: the vertex elimination order, as in `graphax_eqx.jacve`.
     - `argnums`: an integer or a sequence of integers: which positional arguments to
         differentiate.
     - `has_aux`: if `True`, `fun` returns a pair `(output, aux)`; `aux` may be any
         Python object and is returned unchanged.
     - `count_ops`: if `True`, also return the operation counts of the elimination.
     - `sparse_representation`: if `True`, the Jacobian leaves are
-        [`graphax_eqx.SparseTensor`][]s or [`graphax_eqx.CooTensor`][]s instead of
+        `graphax_eqx.SparseTensor`s or `graphax_eqx.CooTensor`s instead of
         dense arrays.
 
     **Returns:**
@@ -512,24 +519,24 @@ def eqx_jacve(
     `(jacobian, aux)` if `has_aux=True`; paired with the operation counts,
     `(result, counts)`, if `count_ops=True`.
 
-    !!! example
+    **Example:**
 
-        ```python
-        import equinox as eqx
-        import jax.numpy as jnp
-        import jax.random as jr
-        import graphax_eqx as gx
+    ```python
+    import equinox as eqx
+    import jax.numpy as jnp
+    import jax.random as jr
+    import graphax_eqx as gx
 
-        linear = eqx.nn.Linear(3, 2, key=jr.PRNGKey(0))
-        x = jnp.ones(3)
+    linear = eqx.nn.Linear(3, 2, key=jr.PRNGKey(0))
+    x = jnp.ones(3)
 
-        def f(linear, x):
-            return jnp.tanh(linear(x))
+    def f(linear, x):
+        return jnp.tanh(linear(x))
 
-        d_linear, d_x = gx.eqx_jacve(f, argnums=(0, 1))(linear, x)
-        d_linear.weight.shape  # (2, 2, 3)
-        d_x.shape  # (2, 3)
-        ```
+    d_linear, d_x = gx.eqx_jacve(f, argnums=(0, 1))(linear, x)
+    d_linear.weight.shape  # (2, 2, 3)
+    d_x.shape  # (2, 3)
+    ```
     """
     flat_nums, as_tuple = _normalise_argnums(argnums, "eqx_jacve")
     nums: int | tuple[int, ...] = flat_nums if as_tuple else flat_nums[0]

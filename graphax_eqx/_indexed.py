@@ -2,7 +2,7 @@
 
 Slices, pads, concatenates, rolls, gathers and scatter-adds with indices known at trace
 time have Jacobians with a few nonzeros per row. Their partial is a
-[`graphax_eqx.CooTensor`][]: some output axes are *tied* to input axes (the axes the
+`graphax_eqx.CooTensor`: some output axes are *tied* to input axes (the axes the
 primitive does not move, as for elementwise ops), and the remaining *free* axes carry a
 list of `(row, col)` coordinates held in NumPy at trace time.
 
@@ -59,7 +59,7 @@ def _index_dtype(n: int):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CooPattern:
-    """The static structure of a [`graphax_eqx.CooTensor`][].
+    """The static structure of a `graphax_eqx.CooTensor`.
 
     `ties` pairs an output axis with an input axis of equal size (ascending output
     axis); `varying[t]` says whether the value varies along tie `t`. Every other axis is
@@ -169,7 +169,7 @@ class CooPattern:
 class CooTensor(BlockShape, eqx.Module):
     """A sparse Jacobian block of shape `out_shape + in_shape` with static indices.
 
-    Returned by [`graphax_eqx.jacve`][] with `sparse_representation=True` where
+    Returned by `graphax_eqx.jacve` with `sparse_representation=True` where
     index-moving primitives (slices, pads, rolls, gathers, scatter-adds, ...) shaped the
     Jacobian. Axes the primitives did not move are *tied*: the block is zero off their
     diagonal. The other (*free*) axes store one value per structural nonzero, at the
@@ -182,10 +182,10 @@ class CooTensor(BlockShape, eqx.Module):
 
     - `val`: `None` when every stored entry is exactly one, else an array of shape
         `(size of each varying tie..., nnz)`.
-    - `pattern`: the static [`graphax_eqx._indexed.CooPattern`][].
+    - `pattern`: the static `graphax_eqx._indexed.CooPattern`.
     - `dtype`: the dtype of the Jacobian.
     - `mask`: `None`, or a boolean array shaped like `val` marking selected-away
-        entries (see [`graphax_eqx.SparseTensor`][]).
+        entries (see `graphax_eqx.SparseTensor`).
     """
 
     val: Array | None
@@ -203,7 +203,7 @@ class CooTensor(BlockShape, eqx.Module):
         return to_labeled(self).dense()
 
     def todense(self) -> Array:
-        """Alias of [`graphax_eqx.CooTensor.dense`][]."""
+        """Alias of `graphax_eqx.CooTensor.dense`."""
         return self.dense()
 
     def to_bcoo(self) -> jsparse.BCOO:
@@ -293,8 +293,8 @@ def from_entries(
     is `values[index[e]]` (`values` a 1-D array, traced or not); a tie is then only
     taken where the weights repeat along it.
 
-    Full free parts come back as a [`graphax_eqx.SparseTensor`][]; others as a
-    [`graphax_eqx.CooTensor`][].
+    Full free parts come back as a `graphax_eqx.SparseTensor`; others as a
+    `graphax_eqx.CooTensor`.
     """
     out_shape = tuple(int(s) for s in out_shape)
     in_shape = tuple(int(s) for s in in_shape)
@@ -418,7 +418,7 @@ def _scatter_free(val: Array, p: CooPattern, fill) -> Array:
 
 
 def to_labeled(ct: CooTensor) -> SparseTensor:
-    """`ct` as a [`graphax_eqx.SparseTensor`][], dense on its free axes."""
+    """`ct` as a `graphax_eqx.SparseTensor`, dense on its free axes."""
     p = ct.pattern
     pattern, perm = labeled_pattern(p)
     if ct.val is None:
@@ -484,7 +484,7 @@ def _coo_of_labeled(p: Pattern) -> tuple[CooPattern, Callable]:
 
 
 def to_coo(st: SparseTensor) -> CooTensor:
-    """`st` as a [`graphax_eqx.CooTensor`][] (exact; its ties stay ties)."""
+    """`st` as a `graphax_eqx.CooTensor` (exact; its ties stay ties)."""
     coo, convert = _coo_of_labeled(st.pattern)
     if st.val is None:
         return CooTensor(None, coo.with_varying((False,) * len(coo.ties)), st.dtype)

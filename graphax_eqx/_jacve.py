@@ -73,7 +73,7 @@ def _check_argnums(argnums: tuple[int, ...], nargs: int, name: str) -> tuple[int
 
 
 def _as_array(x, where: str, name: str, *, output: bool = False):
-    if isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    if isinstance(x, jax.Array) or isinstance(x, jp.Tracer):
         return x
     try:
         return jnp.asarray(x)
@@ -271,14 +271,14 @@ def _trace(fun, treedef, leaves, diff_mask, has_aux, name) -> _Traced:
 
 
 def _describe_value(x) -> str:
-    if isinstance(x, jax.core.Tracer):
-        aval = x.aval
+    if isinstance(x, jp.Tracer):
+        aval = jax.typeof(x)
         return f"a single array of shape {tuple(aval.shape)} and dtype {aval.dtype}"
     return f"an object of type {type(x).__name__}"
 
 
 def _weak(x) -> bool:
-    aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+    aval = jax.typeof(x)
     return bool(getattr(aval, "weak_type", False))
 
 
@@ -657,15 +657,18 @@ def jacve(
     - `fun`: a function of arrays / pytrees of arrays returning a pytree of
         floating-point arrays. It is traced like under `jax.jit`, so Python control
         flow must not depend on array values (use `jax.lax.cond` and friends).
-    - `order`: `"fwd"` (or `"forward"`), `"rev"` (or `"reverse"`), `"markowitz"`
-        (greedy: always eliminate the currently cheapest vertex), `"auto"` (the
-        cheapest of those three by counted multiplications, decided from the graph's
-        structure alone), or a sequence of vertex ids as listed by
-        [`graphax_eqx.make_graph`][]. Names are case-insensitive (`"Markowitz"`
-        works). An explicit sequence lists every intermediate vertex once, except
-        that vertices whose values are outputs may be left out (as in orders
-        written for the original graphax and AlphaGrad): those are eliminated last,
-        in ascending order. Sets and dicts are refused, having no order.
+    - `order`: `"fwd"` (or `"forward"`), `"rev"` (or `"reverse"`), one of the
+        greedy heuristics `"markowitz"` (eliminate the currently cheapest vertex),
+        `"relative_markowitz"` or `"min_fill"` (see `docs/orders.md`), `"auto"`
+        (the better of fwd and rev, unless a heuristic is predicted at least 10%
+        cheaper; decided from the graph's structure alone), a sequence of vertex
+        ids as listed by `graphax_eqx.make_graph`, or a `graphax_eqx.Order` from
+        `graphax_eqx.search_order` / `graphax_eqx.load_order`. Names are
+        case-insensitive (`"Markowitz"` works). An explicit sequence lists every
+        intermediate vertex once, except that vertices whose values are outputs
+        may be left out (as in orders written for the original graphax and
+        AlphaGrad): those are eliminated last, in ascending order. Sets and dicts
+        are refused, having no order.
     - `argnums`: an int or a sequence of ints (tuple, list, `range`): which
         positional arguments to differentiate. Their leaves must be real
         floating-point arrays. As for `jax.jacrev`, the result holds a tuple over
@@ -678,27 +681,27 @@ def jacve(
         elimination order) and `"order_counts"` (multiplications per eliminated
         vertex).
     - `sparse_representation`: if `True`, Jacobian leaves keep their structure
-        instead of being dense arrays: [`graphax_eqx.SparseTensor`][]s (diagonals,
+        instead of being dense arrays: `graphax_eqx.SparseTensor`s (diagonals,
         ties, broadcasts) or, where slices, pads, rolls, gathers, scatter-adds or
         convolutions with indices known at trace time shaped the block,
-        [`graphax_eqx.CooTensor`][]s (ties plus static coordinates). Both have
+        `graphax_eqx.CooTensor`s (ties plus static coordinates). Both have
         `.dense()` and `.to_bcoo()`.
 
     **Returns:**
 
     A function taking the same arguments as `fun` and returning its Jacobian.
 
-    !!! example
+    **Example:**
 
-        ```python
-        import jax.numpy as jnp
-        import graphax_eqx as gx
+    ```python
+    import jax.numpy as jnp
+    import graphax_eqx as gx
 
-        def f(x, y):
-            return jnp.sin(x) * y, jnp.sum(x**2)
+    def f(x, y):
+        return jnp.sin(x) * y, jnp.sum(x**2)
 
-        jac = gx.jacve(f, order="markowitz", argnums=(0, 1))(jnp.ones(3), 2.0)
-        ```
+    jac = gx.jacve(f, order="markowitz", argnums=(0, 1))(jnp.ones(3), 2.0)
+    ```
     """
     return _JacVE(
         fun, order, argnums, has_aux, count_ops, sparse_representation, False, "jacve"
@@ -715,7 +718,7 @@ def value_and_jacve(
 ) -> Callable:
     """The value of `fun` and its Jacobian, computed in one pass.
 
-    Same arguments as [`graphax_eqx.jacve`][]. The primal outputs are a by-product of
+    Same arguments as `graphax_eqx.jacve`. The primal outputs are a by-product of
     building the graph, so this costs no more than `jacve`.
 
     **Returns:**
@@ -771,8 +774,8 @@ class Graph:
 
     **Attributes:**
 
-    - `vertices`: every [`graphax_eqx._jacve.Vertex`][], inputs first.
-    - `edges`: every [`graphax_eqx._jacve.Edge`][] with its partial's structure.
+    - `vertices`: every `graphax_eqx.Vertex`, inputs first.
+    - `edges`: every `graphax_eqx.Edge` with its partial's structure.
     - `intermediates`: the ids an explicit order must list, each exactly once.
     - `outputs`: the output vertex ids.
     """
@@ -822,32 +825,32 @@ def _describe(edge) -> str:
 def make_graph(
     fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False
 ) -> Callable[..., Graph]:
-    """The computational graph [`graphax_eqx.jacve`][] would eliminate.
+    """The computational graph `graphax_eqx.jacve` would eliminate.
 
     Nothing is computed: the graph is built abstractly (`jax.eval_shape`). Use it to
     find vertex ids for an explicit order, or to see why an order is expensive.
 
     **Arguments:**
 
-    - `fun`: the function, as for [`graphax_eqx.jacve`][].
+    - `fun`: the function, as for `graphax_eqx.jacve`.
     - `argnums`: which positional arguments are differentiated.
-    - `has_aux`: as for [`graphax_eqx.jacve`][]: `fun` returns `(output, aux)` and
+    - `has_aux`: as for `graphax_eqx.jacve`: `fun` returns `(output, aux)` and
         only `output` is differentiated, so work that feeds only `aux` is not part
         of the graph.
 
     **Returns:**
 
-    A function taking `fun`'s arguments and returning a [`graphax_eqx._jacve.Graph`][].
+    A function taking `fun`'s arguments and returning a `graphax_eqx.Graph`.
     Its `str()` is a readable summary; `graph.counts(order)` gives the operation counts
     of an order.
 
-    !!! example
+    **Example:**
 
-        ```python
-        graph = gx.make_graph(f)(x)
-        summary = str(graph)  # one line per vertex, with its incoming edges
-        order = list(reversed(graph.intermediates))
-        ```
+    ```python
+    graph = gx.make_graph(f)(x)
+    summary = str(graph)  # one line per vertex, with its incoming edges
+    order = list(reversed(graph.intermediates))
+    ```
     """
     argnums_t, _ = _normalise_argnums(argnums, "make_graph")
 

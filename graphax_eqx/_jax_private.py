@@ -19,6 +19,7 @@ import jax.extend.linear_util as jex_lu
 from jax import lax
 from jax._src import mesh as _mesh_lib, sharding_impls as _sharding_impls
 from jax._src.lax import lax as _lax_internal
+from jax.core import Tracer as Tracer
 from jax.extend.core import primitives as jex_prims
 from jax.sharding import (
     AbstractMesh,
@@ -40,7 +41,7 @@ except ImportError:  # pragma: no cover
 
 def is_concrete(x) -> bool:
     """Whether `x` is a value known now (not a tracer of some transformation)."""
-    return not isinstance(x, jax.core.Tracer)
+    return not isinstance(x, Tracer)
 
 
 def bind(primitive, params: dict[str, Any], *args) -> list:
@@ -208,7 +209,7 @@ def explicit_axes(values, params_list) -> AutoAxes | None:
     meshes = [_mesh_of_value(x) for x in values]
     meshes.append(get_abstract_mesh())
     meshes.extend(_param_meshes(params_list))
-    found = {m.abstract_mesh for m in meshes if _has_explicit(m)}
+    found = {m.abstract_mesh for m in meshes if m is not None and _has_explicit(m)}
     if len(found) != 1:
         return None
     (mesh,) = found
@@ -424,7 +425,7 @@ def eager_auto_mesh(values):
     """
     meshes = set()
     for x in values:
-        if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        if isinstance(x, Tracer) or not isinstance(x, jax.Array):
             return None
         if isinstance(x.sharding, NamedSharding) and not x.sharding.mesh.empty:
             meshes.add(x.sharding.mesh)

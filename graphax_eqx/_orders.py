@@ -28,7 +28,7 @@ ORDER_NAMES = tuple(_ALIASES)
 
 
 @dataclasses.dataclass(frozen=True)
-class Order:
+class Order(Sequence[int]):
     """An explicit elimination order tied to the graph it was made for.
 
     Returned by [`graphax_eqx.search_order`][] (as `result.order`) and
@@ -47,7 +47,8 @@ class Order:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i):  # pyright: ignore[reportIncompatibleMethodOverride]
+        # Sequence's overloads (int -> int, slice -> Sequence) hold: ids is a tuple.
         return self.ids[i]
 
     def __repr__(self) -> str:

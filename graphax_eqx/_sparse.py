@@ -1,7 +1,7 @@
 """Structured partial Jacobians and their algebra.
 
 A partial Jacobian `∂v/∂u` has shape `v.shape + u.shape`. Most of those entries are
-structurally zero or repeated, so a [`graphax_eqx.SparseTensor`][] stores only a value
+structurally zero or repeated, so a `graphax_eqx.SparseTensor` stores only a value
 array plus one *label* per axis of the full Jacobian:
 
 - two axes (one of `v`, one of `u`) that share a label are *tied*: the Jacobian is zero
@@ -13,7 +13,7 @@ With that representation, the chain rule is one `jnp.einsum` whose subscripts ar
 labels, and a tied pair meeting a dense axis simply relabels it.
 
 Index-moving linear maps whose Jacobian is not a tie pattern (reshape, slice, gather,
-convolution, ...) are kept as a [`graphax_eqx._sparse.LinearMap`][]: a function and its
+convolution, ...) are kept as a `graphax_eqx._sparse.LinearMap`: a function and its
 transpose, applied to neighbouring partials instead of being materialised.
 """
 
@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import math
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -96,7 +96,7 @@ def einsum1(a: Array, sa: str, so: str) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class Pattern:
-    """The static structure of a [`graphax_eqx.SparseTensor`][].
+    """The static structure of a `graphax_eqx.SparseTensor`.
 
     `labels` has one entry per axis of the full Jacobian (output axes first). Labels
     are canonical: numbered `0, 1, ...` in order of first appearance, so two partials
@@ -215,7 +215,7 @@ class BlockShape:
 class SparseTensor(BlockShape, eqx.Module):
     """A structured (sparse) Jacobian block of shape `out_shape + in_shape`.
 
-    Returned by [`graphax_eqx.jacve`][] with `sparse_representation=True`. It is a
+    Returned by `graphax_eqx.jacve` with `sparse_representation=True`. It is a
     pytree whose only child is the value array, so it passes through `jax.jit`,
     `jax.vmap` and `eqx.filter_jit`.
 
@@ -228,7 +228,7 @@ class SparseTensor(BlockShape, eqx.Module):
     **Attributes:**
 
     - `val`: the value array, or `None` when every stored entry is exactly one.
-    - `pattern`: the static [`graphax_eqx._sparse.Pattern`][].
+    - `pattern`: the static `graphax_eqx._sparse.Pattern`.
     - `dtype`: the dtype of the Jacobian.
     - `mask`: `None`, or a boolean array shaped like `val` marking *selected-away*
         entries: zeros that come from a selection (`jnp.where`, a custom rule that
@@ -249,7 +249,7 @@ class SparseTensor(BlockShape, eqx.Module):
         return refine(self, target).val  # pyright: ignore
 
     def todense(self) -> Array:
-        """Alias of [`graphax_eqx.SparseTensor.dense`][]."""
+        """Alias of `graphax_eqx.SparseTensor.dense`."""
         return self.dense()
 
     def to_bcoo(self) -> jsparse.BCOO:
@@ -326,13 +326,13 @@ def _pattern_repr(p: Pattern, dtype, scalar: Any = None) -> str:
 
 def from_labeled(
     val: Array | None,
-    val_labels: tuple,
+    val_labels: Sequence[Hashable],
     out_shape: tuple[int, ...],
     in_shape: tuple[int, ...],
-    labels: tuple,
+    labels: Sequence[Hashable],
     dtype=None,
 ) -> SparseTensor:
-    """Build a [`graphax_eqx.SparseTensor`][] from arbitrary (hashable) labels.
+    """Build a `graphax_eqx.SparseTensor` from arbitrary (hashable) labels.
 
     `val`'s axes are labelled by `val_labels` in order; the result is canonical.
     """
@@ -382,7 +382,7 @@ def dense(val: Array, out_shape: tuple[int, ...], in_shape: tuple[int, ...]):
 
 @dataclasses.dataclass(frozen=True)
 class LinearPattern:
-    """Static description of a [`graphax_eqx._sparse.LinearMap`][]."""
+    """Static description of a `graphax_eqx._sparse.LinearMap`."""
 
     out_shape: tuple[int, ...]
     in_shape: tuple[int, ...]
@@ -446,10 +446,11 @@ def linear_map(
     if tfn is None:
         transposed = jax.linear_transpose(fn, jax.ShapeDtypeStruct(in_shape, dtype))
 
-        def tfn(ct):
+        def derived_tfn(ct: Array) -> Array:
             (out,) = transposed(ct)
             return out
 
+        tfn = derived_tfn
     return LinearMap(fn, tfn, LinearPattern(out_shape, in_shape, int(muls)), dtype)
 
 
@@ -755,6 +756,7 @@ def _multiply_aligned(operands, subs, out_sub: str, sizes: dict[str, int]) -> Ar
         if tuple(x.shape) != shape:
             x = lax.broadcast_in_dim(x, shape, dims)
         val = x if val is None else lax.mul(val, x)
+    assert val is not None, "no operands to multiply"
     return val
 
 
@@ -776,23 +778,27 @@ def product(a: Partial, b: Partial) -> tuple[Partial, int]:
 
 def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: bool):
     dtype = _result_dtype(a, b)
+    lazy = plan.lazy
     if plan.kind == "linear-linear":
         assert isinstance(a, LinearMap) and isinstance(b, LinearMap)
+        assert lazy is not None
         fa, fb, ta, tb = a.fn, b.fn, a.tfn, b.tfn
-        out = LinearMap(lambda x: fa(fb(x)), lambda y: tb(ta(y)), plan.lazy, dtype)
+        out = LinearMap(lambda x: fa(fb(x)), lambda y: tb(ta(y)), lazy, dtype)
         return out, plan.muls
     if plan.kind == "linear-diag":
         assert isinstance(a, LinearMap) and isinstance(b, SparseTensor)
+        assert lazy is not None
         fa, ta = a.fn, a.tfn
         out = LinearMap(
-            lambda x: fa(matvec(b, x)), lambda y: rmatvec(b, ta(y)), plan.lazy, dtype
+            lambda x: fa(matvec(b, x)), lambda y: rmatvec(b, ta(y)), lazy, dtype
         )
         return out, plan.muls
     if plan.kind == "diag-linear":
         assert isinstance(a, SparseTensor) and isinstance(b, LinearMap)
+        assert lazy is not None
         fb, tb = b.fn, b.tfn
         out = LinearMap(
-            lambda x: matvec(a, fb(x)), lambda y: tb(rmatvec(a, y)), plan.lazy, dtype
+            lambda x: matvec(a, fb(x)), lambda y: tb(rmatvec(a, y)), lazy, dtype
         )
         return out, plan.muls
     if plan.kind == "linear-apply":
@@ -936,7 +942,7 @@ def add(a: Partial, b: Partial) -> tuple[Partial, int]:
 
 
 def to_sparse(partial: Partial) -> SparseTensor:
-    """A [`graphax_eqx.SparseTensor`][] for any partial (linear maps become dense)."""
+    """A `graphax_eqx.SparseTensor` for any partial (linear maps become dense)."""
     if isinstance(partial, SparseTensor):
         return partial
     p = partial.pattern

@@ -3,10 +3,10 @@
 Those whose Jacobian is a tie pattern (transpose, broadcast, squeeze, unit reshapes)
 become pure-delta partials. Index-moving ones whose Jacobian is a permutation,
 selection or embedding (slice, gather, pad, concatenate, scatter-add, ...) become
-static sparse patterns ([`graphax_eqx.CooTensor`][]) when their indices are known at
+static sparse patterns (`graphax_eqx.CooTensor`) when their indices are known at
 trace time: the primitive is run once on an array of positions to read off where each
 entry comes from, and the axes it does not move become ties. With indices computed at
-run time, they stay [`graphax_eqx._sparse.LinearMap`][]s: the primitive itself, applied
+run time, they stay `graphax_eqx._sparse.LinearMap`s: the primitive itself, applied
 to a neighbouring partial during elimination, never an `n × n` matrix.
 """
 
@@ -413,7 +413,7 @@ if jp.split_p is not None:
 
     @register(jp.split_p)
     def _split(primals, active, **params):
-        outs = jp.split_p.bind(*primals, **params)
+        outs = jp.bind(jp.split_p, params, *primals)
         axis = params["axis"]
         x = primals[0]
         in_shape = shape_of(x)
@@ -481,7 +481,7 @@ if jp.optimization_barrier_p is not None:
 
     @register(jp.optimization_barrier_p)
     def _optimization_barrier(primals, active, **params):
-        outs = jp.optimization_barrier_p.bind(*primals, **params)
+        outs = jp.bind(jp.optimization_barrier_p, params, *primals)
         partials = {}
         for i, a in enumerate(active):
             if a:
