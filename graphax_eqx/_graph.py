@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from . import _jax_private as jp
 from ._complex import realify
@@ -269,10 +270,48 @@ def _foldable(eqn: Eqn, ins: Sequence[Any], avals) -> bool:
     return size <= _FOLD_SIZE
 
 
+# Operands that rules read as values only: however known, they never shape a pattern.
+_VALUE_OPERANDS = {lax.select_n_p: (0,), lax.cond_p: (0,)}
+
+
+def shaping_vars(program: Program, structure: Structure) -> frozenset[int]:
+    """The variables whose values can shape the graph, and all they are computed from.
+
+    A rule handed a known non-float operand (the indices of a gather, a scatter or a
+    dynamic slice) reads a static index pattern off its value; the same operand under
+    a trace gives a lazy map instead, with other counts. When every input is known
+    (an eager call) those operands are known, so a compiled run that should give the
+    same graph must know them too: it takes the leaves and consts they come from by
+    value and computes them at trace time (`evaluate(..., known=...)`).
+    """
+    vid = structure.vid
+    found: set[int] = set()
+    for eqn in program.eqns:
+        if not any(v in vid for v in eqn.outvars):
+            continue
+        if not any(isinstance(a, int) and a in vid for a in eqn.invars):
+            continue
+        skip = _VALUE_OPERANDS.get(eqn.prim, ())
+        for i, a in enumerate(eqn.invars):
+            if isinstance(a, int) and a not in vid and i not in skip:
+                if not jnp.issubdtype(program.avals[a][1], jnp.floating):
+                    found.add(a)
+    for eqn in reversed(program.eqns):
+        if any(v in found for v in eqn.outvars):
+            found.update(a for a in eqn.invars if isinstance(a, int))
+    return frozenset(found)
+
+
 def evaluate(
-    program: Program, structure: Structure, flat_args: Sequence[Any]
+    program: Program,
+    structure: Structure,
+    flat_args: Sequence[Any],
+    known: frozenset[int] = frozenset(),
 ) -> tuple[list[Any], EdgeGraph, int]:
     """Run the program, computing primal values and the partials of every edge.
+
+    The variables in `known` (see `shaping_vars`) are computed now, whatever their
+    type: their inputs must be known, as when everything is.
 
     Returns the flat primal outputs, the graph and the additions spent accumulating
     partials of a variable used several times by one equation.
@@ -312,7 +351,7 @@ def evaluate(
                     partial, n = add(old, partial)
                     adds += n
                 graph.set(u, w, partial)
-        elif _foldable(eqn, ins, program.avals):
+        elif any(v in known for v in eqn.outvars) or _foldable(eqn, ins, program.avals):
             # Index arithmetic on constants is computed now, so that the index maps
             # it feeds have static patterns even under `jit`.
             with jax.ensure_compile_time_eval():

@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend.linear_util as jex_lu
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, get_abstract_mesh
 
 from . import _jax_private as jp
 from ._eliminate import real_add, real_product, run_order, sim_edge, simulate
-from ._graph import EdgeGraph, Lit, Program, Structure, analyse, evaluate, inline
+from ._graph import (
+    EdgeGraph,
+    Lit,
+    Program,
+    Structure,
+    analyse,
+    evaluate,
+    inline,
+    shaping_vars,
+)
 from ._indexed import CooTensor
 from ._orders import normalise_order, resolve
 from ._sparse import LinearMap, SparseTensor, from_labeled, to_sparse
@@ -124,7 +135,8 @@ def _check_differentiable(x, argnum: int, name: str):
 # over are read anew each time (under `jax.jit` they are fixed when `jit` traces, as
 # usual). Only what is expensive and depends on the structure alone is cached: the
 # vertex numbering and the resolved elimination orders, keyed on a fingerprint of the
-# inlined program in which closed-over arrays are variables, not values.
+# inlined program in which closed-over arrays are variables, not values (and, for
+# eager calls, a compiled run of the engine: see "Eager calls, compiled" below).
 #
 
 
@@ -132,6 +144,7 @@ def _check_differentiable(x, argnum: int, name: str):
 class _Analysis:
     structure: Structure
     orders: dict = dataclasses.field(default_factory=dict)
+    plan: _Plan | None = None  # how a compiled eager run takes values, made once
 
 
 _ANALYSES: OrderedDict[Any, _Analysis] = OrderedDict()
@@ -164,6 +177,9 @@ def _param_key(value) -> Any:
         return ("dict", tuple((k, _param_key(v)) for k, v in sorted(value.items())))
     if isinstance(value, np.ndarray):
         return ("ndarray", value.shape, str(value.dtype), value.tobytes())
+    if isinstance(value, jex_lu.WrappedFun):
+        # A custom rule as JAX wraps it, anew on every trace: its name stands for it.
+        return ("wrapped", getattr(value.debug_info, "func_name", None))
     if callable(value) and not isinstance(value, type):
         # Rules of custom derivatives are re-created by every trace; the program
         # keeps the current ones, so only their kind matters for the structure.
@@ -323,10 +339,10 @@ def _prepare(fun, args, kwargs, argnums, has_aux, name) -> _Prepared:
 #
 
 
-def _eliminate(prep: _Prepared, order_spec):
+def _eliminate(prep: _Prepared, order_spec, known: frozenset[int] = frozenset()):
     traced = prep.traced
     structure = traced.structure
-    flat_out, graph, adds0 = evaluate(traced.program, structure, prep.leaves)
+    flat_out, graph, adds0 = evaluate(traced.program, structure, prep.leaves, known)
     orders = traced.analysis.orders
     order = orders.get(order_spec)
     if order is None:
@@ -388,49 +404,74 @@ def _block_keys(prep: _Prepared) -> list[tuple[int, int]]:
     ]
 
 
-def _assemble(prep: _Prepared, graph: EdgeGraph, as_tuple: bool, sparse: bool):
+def _leaf_blocks(
+    prep: _Prepared, graph: EdgeGraph, sparse: bool
+) -> dict[tuple[int, int], Any]:
+    """`{(output, leaf): Jacobian leaf}` for every differentiated leaf."""
     traced = prep.traced
     structure = traced.structure
+    diff = _diff_leaves(prep)
     # Input vertices are numbered in flat-leaf order, whatever the order of argnums.
-    input_vid = dict(zip(_diff_leaves(prep), structure.inputs, strict=True))
-    per_output = []
+    input_vid = dict(zip(diff, structure.inputs, strict=True))
+    blocks = {}
     for o in range(traced.num_out):
         out_vid = structure.outputs[o]
         out_shape = tuple(traced.out_avals[o].shape)
+        for j in diff:
+            x = prep.leaves[j]
+            dtype = jnp.result_type(x)
+            edge = None
+            if out_vid is not None:
+                edge = graph.succ[input_vid[j]].get(out_vid)
+            if edge is None:
+                block = _zero_block(out_shape, jnp.shape(x), dtype, sparse)
+            else:
+                block = _block(edge, dtype, sparse)
+            if not sparse and _weak(x):
+                # As `jax.jacrev`: the derivative w.r.t. a Python scalar is weak.
+                block = jp.as_weak_type(block)
+            blocks[(o, j)] = block
+    return blocks
+
+
+def _arrange(prep: _Prepared, blocks: dict[tuple[int, int], Any], as_tuple: bool):
+    """The Jacobian leaves in `jax.jacrev`'s layout for `prep`'s argnums and trees."""
+    traced = prep.traced
+    per_output = []
+    for o in range(traced.num_out):
         per_arg = []
         for k in prep.argnums:
-            blocks = []
             start = prep.arg_offsets[k]
-            for j in range(start, start + prep.arg_trees[k].num_leaves):
-                x = prep.leaves[j]
-                dtype = jnp.result_type(x)
-                edge = None
-                if out_vid is not None:
-                    edge = graph.succ[input_vid[j]].get(out_vid)
-                if edge is None:
-                    block = _zero_block(out_shape, jnp.shape(x), dtype, sparse)
-                else:
-                    block = _block(edge, dtype, sparse)
-                if not sparse and _weak(x):
-                    # As `jax.jacrev`: the derivative w.r.t. a Python scalar is weak.
-                    block = jp.as_weak_type(block)
-                blocks.append(block)
-            per_arg.append(jtu.tree_unflatten(prep.arg_trees[k], blocks))
+            stop = start + prep.arg_trees[k].num_leaves
+            leaves = [blocks[(o, j)] for j in range(start, stop)]
+            per_arg.append(jtu.tree_unflatten(prep.arg_trees[k], leaves))
         per_output.append(tuple(per_arg) if as_tuple else per_arg[0])
     return jtu.tree_unflatten(traced.out_tree, per_output)
 
 
-def _outputs(prep: _Prepared, flat_out):
-    traced = prep.traced
-    vals = [
+def _assemble(prep: _Prepared, graph: EdgeGraph, as_tuple: bool, sparse: bool):
+    return _arrange(prep, _leaf_blocks(prep, graph, sparse), as_tuple)
+
+
+def _output_values(flat_out, out_avals) -> list:
+    """The primal outputs with the dtypes and weak types the function gave them."""
+    return [
         jp.as_weak_type(jnp.asarray(v, dtype=aval.dtype))
         if getattr(aval, "weak_type", False)
         else jnp.asarray(v, dtype=aval.dtype)
-        for v, aval in zip(flat_out, traced.out_avals, strict=True)
+        for v, aval in zip(flat_out, out_avals, strict=True)
     ]
+
+
+def _split_outputs(prep: _Prepared, vals):
+    traced = prep.traced
     out = jtu.tree_unflatten(traced.out_tree, vals[: traced.num_out])
     aux = jtu.tree_unflatten(traced.aux_tree, vals[traced.num_out :])
     return out, aux
+
+
+def _outputs(prep: _Prepared, flat_out):
+    return _split_outputs(prep, _output_values(flat_out, prep.traced.out_avals))
 
 
 def _run(prep: _Prepared, order_spec, as_tuple: bool, sparse: bool):
@@ -589,6 +630,362 @@ def _eager_layout(prep: _Prepared, jac):
     return jtu.tree_unflatten(tree, moved)
 
 
+#
+# Eager calls, compiled.
+#
+# An eager call traces `fun` anew (above), but need not then run the engine one
+# operation at a time, which dispatches hundreds of small operations. From the second
+# eager call with the same key on, evaluation, elimination and assembly run as one
+# `jax.jit`-compiled function whose arguments are the program's leaves and consts, so
+# the values this call's trace read are the ones used. The key holds everything else
+# the compiled function depends on:
+#
+# - the analysis, one per fingerprint of the program (equations, params up to values,
+#   every variable's type), differentiated leaves and output count; the order and
+#   `sparse`; the types, weak types and shardings of arguments and outputs;
+# - the values the fingerprint leaves out, which the compiled function bakes in:
+#   literals and consts in params at every nesting level, and every leaf or const
+#   that can shape the graph (`graphax_eqx._graph.shaping_vars`), which it takes
+#   by value and computes from at trace time, as an eager run knows them;
+# - custom derivative rules as they are now: a rule may read globals or closures
+#   that changed since the last call, and JAX runs it anew on every eager call, so
+#   its JVP (VJP) is traced afresh and keyed by structure and values. Any other
+#   callable in params (callbacks) is keyed by identity.
+#
+# The first call with a key runs eagerly (one-off calls compile nothing), and so does
+# every call with values too large to key, under a trace, or on several devices.
+# Tracing rules costs time, so they join the key only once the rest of it has come
+# round before: a program with custom derivatives compiles on its third call.
+#
+
+_MAX_COMPILED = 64
+_MAX_SIGHTINGS = 256
+_COMPILE_AT = 2  # the call with a key that compiles
+# Values keyed by value (literals, consts in params, values shaping the graph) up to
+# this many bytes per call; beyond, the call runs eagerly.
+_MAX_KEY_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Which leaves and consts a compiled run takes by value, and the variables it
+    computes at trace time from them; `compilable` is false when a differentiated
+    leaf (or a callback) would be among them."""
+
+    known: frozenset[int]
+    baked_leaves: frozenset[int]
+    baked_consts: frozenset[int]
+    compilable: bool
+
+
+def _plan(traced: _Traced) -> _Plan:
+    analysis = traced.analysis
+    if analysis.plan is None:
+        program = traced.program
+        known = shaping_vars(program, analysis.structure)
+        diff = {v for v, u in analysis.structure.vid.items() if u < 0}
+        callbacks = any(
+            "callback" in str(e.prim) and any(v in known for v in e.outvars)
+            for e in program.eqns
+        )
+        analysis.plan = _Plan(
+            known,
+            frozenset(j for j, v in enumerate(program.invars) if v in known),
+            frozenset(k for k, v in enumerate(program.constvars) if v in known),
+            not callbacks and not (known & diff),
+        )
+    return analysis.plan
+
+
+class _Unkeyable(Exception):
+    """The program holds something no key can stand for soundly."""
+
+
+class _Same:
+    """A key part equal only to the same object. It keeps the object alive, so that
+    its `id` is not reused while the key exists."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+class _ValueKey:
+    """The values a compiled run bakes in, collected into key parts; custom rules
+    only `with_rules` (`has_rules` tells whether there are any)."""
+
+    def __init__(self, with_rules: bool):
+        self.parts: list = []
+        self.size = 0
+        self.with_rules = with_rules
+        self.has_rules = False
+
+    def value(self, x) -> None:
+        try:
+            a = np.asarray(x)
+        except Exception:  # e.g. typed PRNG keys, which have no bytes to key on
+            raise _Unkeyable from None
+        self.size += a.nbytes
+        if a.dtype == object or self.size > _MAX_KEY_BYTES:
+            raise _Unkeyable
+        weak = bool(getattr(jax.typeof(x), "weak_type", False))
+        data = a.tobytes()
+        if len(data) > 64:  # keys are kept: large values by digest
+            data = hashlib.blake2b(data, digest_size=32).digest()
+        self.parts.append((type(x).__name__, weak, a.shape, a.dtype.str, data))
+
+    def jaxpr(self, jaxpr, differentiated: bool) -> None:
+        for eqn in jaxpr.eqns:
+            for a in eqn.invars:
+                if isinstance(a, jp.Literal):
+                    self.value(a.val)
+            in_types = [(a.aval.shape, a.aval.dtype) for a in eqn.invars]
+            self.params(eqn.primitive, eqn.params, in_types, differentiated)
+        for a in jaxpr.outvars:
+            if isinstance(a, jp.Literal):
+                self.value(a.val)
+
+    def params(self, prim, params, in_types, differentiated: bool) -> None:
+        """`differentiated`: whether JAX may run the rules of custom derivatives in
+        here (not inside a custom call's body, nor inside a rule, whose nested calls
+        are only evaluated)."""
+        custom = prim in (jp.custom_jvp_call_p, jp.custom_vjp_call_p)
+        if custom and differentiated:
+            self.has_rules = True
+            if self.with_rules:
+                self.rule(prim, params, in_types)
+        for _, value in sorted(params.items()):
+            self.param(value, differentiated and not custom, custom)
+
+    def param(self, value, differentiated: bool, custom: bool) -> None:
+        if isinstance(value, jp.ClosedJaxpr):
+            for c in value.consts:
+                self.value(c)
+            self.jaxpr(value.jaxpr, differentiated)
+        elif isinstance(value, jp.Jaxpr):
+            self.jaxpr(value, differentiated)
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                self.param(v, differentiated, custom)
+        elif isinstance(value, dict):
+            for v in value.values():
+                self.param(v, differentiated, custom)
+        elif isinstance(value, (np.ndarray, jax.Array)):
+            self.value(value)
+        elif isinstance(value, jex_lu.WrappedFun) or (
+            callable(value) and not isinstance(value, type)
+        ):
+            if not custom:
+                self.parts.append(_Same(value))
+        else:
+            try:
+                hash(value)
+            except TypeError:  # the fingerprint has its `repr`, which may elide
+                self.parts.append(_Same(value))
+
+    def rule(self, prim, params, in_types) -> None:
+        """The custom rule as it is now: its JVP (or VJP) traced, by structure and
+        values. The functions in `params` are wrapped anew by every trace, and the
+        rule may read values that changed, so their identity says nothing."""
+        structs = [jax.ShapeDtypeStruct(tuple(s), d) for s, d in in_types]
+        floats = [
+            i for i, t in enumerate(structs) if jnp.issubdtype(t.dtype, jnp.floating)
+        ]
+
+        def linearised(xs, args):
+            def f(*xs):
+                call = list(args)
+                for i, x in zip(floats, xs, strict=True):
+                    call[i] = x
+                return jp.bind(prim, params, *call)
+
+            if prim is jp.custom_vjp_call_p:
+                out, pullback = jax.vjp(f, *xs)
+                return out, pullback(out)
+            return jax.jvp(f, tuple(xs), tuple(xs))
+
+        try:
+            closed = jax.make_jaxpr(linearised)([structs[i] for i in floats], structs)
+        except Exception:  # the rule cannot be traced this way: run eagerly
+            raise _Unkeyable from None
+        self.parts.append(str(closed.jaxpr))
+        for c in closed.consts:
+            self.value(c)
+        self.jaxpr(closed.jaxpr, differentiated=False)
+
+
+def _arg_type(x) -> Any:
+    if isinstance(x, jax.Array):
+        return jax.typeof(x), x.sharding
+    return type(x).__name__, jax.typeof(x)
+
+
+def _compiled_key(
+    prep: _Prepared, plan: _Plan, order_spec, sparse: bool, with_rules: bool
+) -> tuple[tuple, bool]:
+    """The key, and whether the program has custom rules (keyed `with_rules`)."""
+    traced = prep.traced
+    program = traced.program
+    values = _ValueKey(with_rules)
+    for eqn in program.eqns:
+        in_types = []
+        for a in eqn.invars:
+            if isinstance(a, Lit):
+                values.value(a.value)
+                in_types.append((jnp.shape(a.value), jnp.result_type(a.value)))
+            else:
+                in_types.append(program.avals[a])
+        values.params(eqn.prim, eqn.params, in_types, differentiated=True)
+    for a in program.outvars:
+        if isinstance(a, Lit):
+            values.value(a.value)
+    for j in sorted(plan.baked_leaves):
+        values.value(prep.leaves[j])
+    for k in sorted(plan.baked_consts):
+        values.value(program.consts[k])
+    types = tuple(
+        _arg_type(x) for j, x in enumerate(prep.leaves) if j not in plan.baked_leaves
+    ) + tuple(
+        _arg_type(x) for k, x in enumerate(program.consts) if k not in plan.baked_consts
+    )
+    key = (
+        _Same(traced.analysis),
+        order_spec,
+        sparse,
+        types,
+        tuple(traced.out_avals),
+        with_rules,
+        tuple(values.parts),
+    )
+    return key, values.has_rules
+
+
+@dataclasses.dataclass
+class _Compiled:
+    fn: Callable
+    counts: dict
+
+
+_COMPILED: OrderedDict[Any, _Compiled] = OrderedDict()
+# Calls seen per key (None: compiling failed, always run eagerly).
+_SIGHTINGS: OrderedDict[Any, int | None] = OrderedDict()
+
+
+def _remember(cache: OrderedDict, key, value, limit: int) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    if len(cache) > limit:
+        cache.popitem(last=False)
+
+
+def _compile(prep: _Prepared, plan: _Plan, order_spec, sparse: bool) -> _Compiled:
+    traced = prep.traced
+    program = traced.program
+    num_leaves, num_consts = len(prep.leaves), len(program.consts)
+    baked_leaves = {j: prep.leaves[j] for j in plan.baked_leaves}
+    baked_consts = {k: program.consts[k] for k in plan.baked_consts}
+    # Only the structure of this call is kept (argnums, trees), not its leaves and
+    # consts: those the compiled function needs by value are in the key.
+    template = dataclasses.replace(
+        prep,
+        traced=dataclasses.replace(
+            traced, program=dataclasses.replace(program, consts=())
+        ),
+        leaves=[],
+    )
+
+    def merge(dynamic, baked, n):
+        dynamic = iter(dynamic)
+        return [baked[i] if i in baked else next(dynamic) for i in range(n)]
+
+    def run(dyn_leaves, dyn_consts):
+        consts = tuple(merge(dyn_consts, baked_consts, num_consts))
+        inner = dataclasses.replace(
+            template,
+            traced=dataclasses.replace(
+                template.traced,
+                program=dataclasses.replace(template.traced.program, consts=consts),
+            ),
+            leaves=merge(dyn_leaves, baked_leaves, num_leaves),
+        )
+        flat_out, graph, counts = _eliminate(inner, order_spec, plan.known)
+        entry.counts = counts
+        values = _output_values(flat_out, template.traced.out_avals)
+        return values, _leaf_blocks(inner, graph, sparse)
+
+    entry = _Compiled(jax.jit(run), {})
+    return entry
+
+
+def _on_one_device(values) -> bool:
+    devices: set = set()
+    for x in values:
+        if isinstance(x, jp.Tracer):
+            return False
+        if isinstance(x, jax.Array):
+            devices |= x.sharding.device_set
+    return len(devices) <= 1
+
+
+def _run_compiled(prep: _Prepared, order_spec, as_tuple: bool, sparse: bool):
+    """`_run` as one compiled function; `None` where it does not apply: under a
+    trace, on several devices, on the first call with a key, or with nothing sound
+    to key on."""
+    program = prep.traced.program
+    if not get_abstract_mesh().empty:
+        return None
+    if not _on_one_device(list(prep.leaves) + list(program.consts)):
+        return None
+    plan = _plan(prep.traced)
+    if not plan.compilable:
+        return None
+    try:
+        key, rules = _compiled_key(prep, plan, order_spec, sparse, False)
+        hash(key)
+        if rules:
+            if not _SIGHTINGS.get(key):
+                _remember(_SIGHTINGS, key, 1, _MAX_SIGHTINGS)
+                return None
+            key, _ = _compiled_key(prep, plan, order_spec, sparse, True)
+            hash(key)
+    except (_Unkeyable, TypeError):
+        return None
+    entry = _COMPILED.get(key)
+    new = entry is None
+    if entry is None:
+        seen = _SIGHTINGS.get(key, 0)
+        if seen is None:
+            return None
+        _remember(_SIGHTINGS, key, seen + 1, _MAX_SIGHTINGS)
+        if seen + 1 < _COMPILE_AT:
+            return None
+        entry = _compile(prep, plan, order_spec, sparse)
+    dyn_leaves = [x for j, x in enumerate(prep.leaves) if j not in plan.baked_leaves]
+    dyn_consts = [x for k, x in enumerate(program.consts) if k not in plan.baked_consts]
+    if new:
+        try:
+            values, blocks = entry.fn(dyn_leaves, dyn_consts)
+        except Exception:  # what fails to compile runs eagerly (and raises there)
+            _remember(_SIGHTINGS, key, None, _MAX_SIGHTINGS)
+            return None
+        _SIGHTINGS.pop(key, None)
+        _remember(_COMPILED, key, entry, _MAX_COMPILED)
+    else:
+        _COMPILED.move_to_end(key)
+        values, blocks = entry.fn(dyn_leaves, dyn_consts)
+    jac = _arrange(prep, blocks, as_tuple)
+    out, aux = _split_outputs(prep, values)
+    counts = {k: list(v) if isinstance(v, list) else v for k, v in entry.counts.items()}
+    return jac, out, aux, counts
+
+
 class _JacVE:
     """The callable returned by `jacve` / `value_and_jacve`."""
 
@@ -614,9 +1011,10 @@ class _JacVE:
             list(prep.leaves) + list(program.consts), [e.params for e in program.eqns]
         )
         if axes is None:
-            jac, out, aux, counts = _run(
-                prep, self.order_spec, self.as_tuple, self.sparse
-            )
+            done = _run_compiled(prep, self.order_spec, self.as_tuple, self.sparse)
+            if done is None:
+                done = _run(prep, self.order_spec, self.as_tuple, self.sparse)
+            jac, out, aux, counts = done
             if not self.sparse:
                 jac = _eager_layout(prep, jac)
         else:
@@ -651,6 +1049,11 @@ def jacve(
     The result is laid out exactly like `jax.jacrev(fun, argnums=argnums)(*args)`:
     output pytree outermost, then a tuple over `argnums` if `argnums` is a tuple,
     then each argument's pytree, with leaves of shape `out.shape + in.shape`.
+
+    Called outside `jax.jit`, every call traces `fun` afresh, as `jax.jacrev` does, so
+    values it closes over are read anew each time; when calls repeat the same
+    program, the elimination runs as one compiled function rather than operation by
+    operation.
 
     **Arguments:**
 
