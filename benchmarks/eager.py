@@ -1,10 +1,10 @@
 """Eager (un-jitted) repeated calls: jacve against JAX's own eager transforms.
 
 Every eager call of `jacve` traces the function again, as `jax.jacrev` does, so values
-it closes over are read afresh; only the analysed graph and the resolved order are
-cached, and repeated calls run the evaluation and elimination as one compiled
-function whose inputs are the leaves and closed-over values. This script shows what that costs: the median of 20 interleaved repetitions
-of each pair, after one warm-up call of each.
+it closes over are read afresh. The analysed graph and the resolved order are cached,
+and repeated calls run the evaluation and elimination as one compiled function whose
+inputs are the leaves and closed-over values. This script shows what that costs: the
+median of 20 interleaved repetitions of each pair, after one warm-up call of each.
 
     python -m benchmarks.eager
 """
