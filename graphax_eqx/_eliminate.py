@@ -75,13 +75,8 @@ def written(edge) -> int:
     return p.val_size
 
 
-def eliminate_vertex(
-    graph: EdgeGraph, v: int, mul: Mul, plus: Mul, traffic: list[int] | None = None
-) -> tuple[int, int]:
-    """Eliminate `v` in place; returns (multiplications, additions).
-
-    With `traffic` (pattern graphs only), adds the entries written by each new edge.
-    """
+def eliminate_vertex(graph: EdgeGraph, v: int, mul: Mul, plus: Mul) -> tuple[int, int]:
+    """Eliminate `v` in place; returns (multiplications, additions)."""
     ins = graph.pred.pop(v)
     outs = graph.succ.pop(v)
     for u in ins:
@@ -93,25 +88,12 @@ def eliminate_vertex(
         for w, e_vw in outs.items():
             edge, m = mul(e_vw, e_uv)
             muls += m
-            if traffic is not None:
-                traffic[0] += written(edge)
             old = graph.succ[u].get(w)
             if old is not None:
                 edge, a = plus(old, edge)
                 adds += a
-                if traffic is not None:
-                    traffic[0] += written(edge)
             graph.set(u, w, edge)
     return muls, adds
-
-
-def vertex_cost(graph: EdgeGraph, v: int) -> int:
-    """Multiplications that eliminating `v` would cost now (pattern graphs only)."""
-    total = 0
-    for e_uv in graph.pred[v].values():
-        for e_vw in graph.succ[v].values():
-            total += sim_product(e_vw, e_uv)[1]
-    return total
 
 
 def run_order(
@@ -132,20 +114,3 @@ def simulate(graph: EdgeGraph, order: Sequence[int]) -> tuple[int, int, list[int
     """The counts of `order` on a pattern graph (the graph is not modified)."""
     g = graph.copy_with(lambda e: e)
     return run_order(g, order, sim_product, sim_add)
-
-
-def estimated_cost(graph: EdgeGraph, order: Sequence[int]) -> tuple[int, int]:
-    """`(multiplications, estimated cost)` of `order`, from patterns alone.
-
-    The cost is multiplications + additions + entries written; the written entries
-    stand for memory traffic, which on small (e.g. scalar) programs matters as much as
-    arithmetic.
-    """
-    g = graph.copy_with(lambda e: e)
-    traffic = [0]
-    muls = adds = 0
-    for v in order:
-        m, a = eliminate_vertex(g, v, sim_product, sim_add, traffic)
-        muls += m
-        adds += a
-    return muls, muls + adds + traffic[0]

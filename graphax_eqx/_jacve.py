@@ -235,9 +235,7 @@ def _analysis(program: Program, diff_mask, num_out: int) -> _Analysis:
         return found
     found = _Analysis(analyse(program, diff_mask, num_out))
     if key is not None:
-        _ANALYSES[key] = found
-        if len(_ANALYSES) > _MAX_ANALYSES:
-            _ANALYSES.popitem(last=False)
+        _remember(_ANALYSES, key, found, _MAX_ANALYSES)
     return found
 
 
