@@ -261,10 +261,16 @@ def _trace(fun, treedef, leaves, diff_mask, has_aux, name) -> _Traced:
         out_leaves = [_as_array(o, "an output", name, output=True) for o in out_leaves]
         for o in out_leaves:
             if not jnp.issubdtype(o.dtype, jnp.floating):
+                if jnp.issubdtype(o.dtype, jnp.complexfloating):
+                    fix = (
+                        "Return its real and imaginary parts (`jnp.real(y)`, "
+                        "`jnp.imag(y)`) as separate outputs instead."
+                    )
+                else:
+                    fix = "Return non-float results through `has_aux=True` instead."
                 raise TypeError(
                     f"`{name}` needs real floating-point outputs, but the function "
-                    f"returned an output of dtype {o.dtype}. Return integer results "
-                    "through `has_aux=True` instead."
+                    f"returned an output of dtype {o.dtype}. {fix}"
                 )
         aux_leaves = [
             _as_array(a, "an aux output", name, output=True) for a in aux_leaves

@@ -48,6 +48,19 @@ def test_non_float_second_argnum_type_error():
     graphax_eqx.jacve(f, argnums=0)(jnp.ones(2), jnp.arange(2))
 
 
+@pytest.mark.parametrize(
+    "fun, pattern",
+    [
+        (lambda x: x * 1j, r"complex64.*jnp\.real"),
+        (lambda x: (x > 0).astype(jnp.int32), r"int32.*has_aux"),
+    ],
+    ids=["complex", "int"],
+)
+def test_non_float_output_type_error(fun, pattern):
+    with pytest.raises(TypeError, match=pattern):
+        graphax_eqx.jacve(fun)(jnp.ones(2, jnp.float32))
+
+
 def test_value_and_jacve_non_float_type_error():
     with pytest.raises(TypeError, match=r"int"):
         graphax_eqx.value_and_jacve(lambda x: x * 2)(jnp.arange(3))
