@@ -15,7 +15,7 @@ For every task of `benchmarks.tasks`, this script
     python -m benchmarks.orders --budget 5 --tasks RoeFlux_1d,MLP --no-write
 
 `--fit` fits the weights of the run-time model to `orders_results.json` instead (see
-`docs/orders.md`).
+`docs/orders.md`); `--render` rewrites the docs table from that file without running.
 """
 
 from __future__ import annotations
@@ -158,38 +158,68 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
 
 
+# Short names for the orders in the tables.
+_SHORT = {
+    "fwd": "fwd",
+    "rev": "rev",
+    "markowitz": "markowitz",
+    "relative_markowitz": "rel. Markowitz",
+    "min_fill": "min fill",
+    "auto": "auto",
+}
+
+
+def _details(title: str, lines: list[str]) -> list[str]:
+    """A collapsed admonition box whose Markdown content is rendered."""
+    return [
+        '<details class="note" markdown="1">',
+        f"<summary>{title}</summary>",
+        "",
+        *lines,
+        "",
+        "</details>",
+        "",
+    ]
+
+
 def render(results: Sequence[dict[str, Any]], header: list[str]) -> str:
     lines = [START, "", *header, ""]
     lines += [
-        "Multiplications per order, and the searched order's reduction against the "
-        "best of fwd / rev / markowitz next to AlphaGrad's published reduction on its "
-        "own version of the task.",
+        "The searched order's multiplications and its reduction against the best of "
+        "fwd / rev / markowitz, next to AlphaGrad's published reduction on its own "
+        "version of the task.",
         "",
-        "| task | fwd | rev | markowitz | rel. Markowitz | min fill | searched "
-        "| reduction | AlphaGrad | search |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| task | best of fwd/rev/markowitz | searched | reduction | AlphaGrad "
+        "| search |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
         c = r["costs"]
         best3 = min(c[k]["muls"] for k in ("fwd", "rev", "markowitz"))
         red = 1 - c["searched"]["muls"] / best3 if best3 else 0.0
         lines.append(
-            f"| {r['task']} | "
-            + " | ".join(
-                f"{c[k]['muls']:,}"
-                for k in ("fwd", "rev", "markowitz", "relative_markowitz", "min_fill")
-            )
-            + f" | **{c['searched']['muls']:,}** | {_pct(red)} "
-            f"| {_pct(ALPHAGRAD[r['task']])} | {r['search']['seconds']:.0f} s |"
+            f"| {r['task']} | {best3:,} | **{c['searched']['muls']:,}** "
+            f"| {_pct(red)} | {_pct(ALPHAGRAD[r['task']])} "
+            f"| {r['search']['seconds']:.0f} s |"
         )
+    lines.append("")
+    per_order = ("fwd", "rev", "markowitz", "relative_markowitz", "min_fill")
+    rows = [
+        "| task | " + " | ".join(_SHORT[k] for k in per_order) + " |",
+        "|---|" + "---|" * len(per_order),
+    ]
+    for r in results:
+        c = r["costs"]
+        cells = " | ".join(f"{c[k]['muls']:,}" for k in per_order)
+        rows.append(f"| {r['task']} | {cells} |")
+    lines += _details("Multiplications of every named order", rows)
     lines += [
+        f"Speed-up at batch {BATCH} (`jax.jit(jax.vmap(...))`, medians of "
+        "interleaved repetitions) against the faster of `jax.jacfwd` and "
+        "`jax.jacrev`; above 1 means faster.",
         "",
-        f"Run time at batch {BATCH} (`jax.jit(jax.vmap(...))`, median of interleaved "
-        "repetitions) and speed-up against the faster of `jax.jacfwd` and "
-        "`jax.jacrev` (above 1 means faster).",
-        "",
-        "| task | JAX best | searched | speed-up | auto (picked) | speed-up |",
-        "|---|---|---|---|---|---|",
+        "| task | auto | searched | auto picks | JAX best |",
+        "|---|---|---|---|---|",
     ]
     ups = []
     for r in results:
@@ -197,26 +227,22 @@ def render(results: Sequence[dict[str, Any]], header: list[str]) -> str:
         best = min(t["jax.jacfwd"], t["jax.jacrev"])
         ups.append(r["speedup"]["auto"])
         lines.append(
-            f"| {r['task']} | {_us(best)} | {_us(t['searched'])} "
-            f"| {r['speedup']['searched']:.2f}× | {_us(t['auto'])} "
-            f"({r['auto_picked']}) | {r['speedup']['auto']:.2f}× |"
+            f"| {r['task']} | {r['speedup']['auto']:.2f}× "
+            f"| {r['speedup']['searched']:.2f}× | {_SHORT[r['auto_picked']]} "
+            f"| {_us(best)} |"
         )
     geo = math.exp(statistics.fmean(math.log(u) for u in ups))
     lines += ["", f"Geometric mean speed-up of `auto`: {geo:.2f}×.", ""]
-    lines += [
-        "<details><summary>Run time of every order</summary>",
-        "",
-        "| task | "
-        + " | ".join(NAMED[:-1])
-        + " | searched | jax.jacfwd | jax.jacrev |",
-        "|---|" + "---|" * (len(NAMED) + 2),
+    names = (*NAMED[:-1], "searched", "jax.jacfwd", "jax.jacrev")
+    rows = [
+        "| task | " + " | ".join(_SHORT.get(k, k) for k in names) + " |",
+        "|---|" + "---|" * len(names),
     ]
     for r in results:
         t = r["times"]
-        cells = [_us(t[k]) for k in (*NAMED[:-1], "searched", "jax.jacfwd")]
-        cells.append(_us(t["jax.jacrev"]))
-        lines.append(f"| {r['task']} | " + " | ".join(cells) + " |")
-    lines += ["", "</details>", "", END]
+        rows.append(f"| {r['task']} | " + " | ".join(_us(t[k]) for k in names) + " |")
+    lines += _details("Run time of every order", rows)
+    lines.append(END)
     return "\n".join(lines)
 
 
@@ -269,10 +295,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tasks", default=",".join(task_registry.TASKS))
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--fit", action="store_true")
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="rewrite the docs table from the saved results, without running",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.fit:
         fit()
+        return 0
+    if args.render:
+        saved = json.loads(RESULTS.read_text())
+        write_page(render(saved["results"], saved["header"]))
         return 0
     start = time.perf_counter()
     results = []
