@@ -185,12 +185,11 @@ def _details(title: str, lines: list[str]) -> list[str]:
 def render(results: Sequence[dict[str, Any]], header: list[str]) -> str:
     lines = [START, "", *header, ""]
     lines += [
-        "The searched order's multiplications and its reduction against the best of "
-        "fwd / rev / markowitz, next to AlphaGrad's published reduction on its own "
-        "version of the task.",
+        "The searched order's multiplications and the fraction it saves against "
+        "the best of fwd / rev / markowitz (*best named*), next to AlphaGrad's "
+        "published reduction on its own version of the task, and the search time.",
         "",
-        "| task | best of fwd/rev/markowitz | searched | reduction | AlphaGrad "
-        "| search |",
+        "| task | best named | searched | saved | AlphaGrad | search |",
         "|---|---|---|---|---|---|",
     ]
     for r in results:

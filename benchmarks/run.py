@@ -956,8 +956,10 @@ def plot_speedups(
     batches = settings.batch_sizes
     width = 0.8 / len(batches)
     # Text no smaller than the page's: the figure is shown scaled down on the site.
-    with plt.rc_context({"font.size": 12}):
-        fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names) + 2), 5.5))
+    # At 120 dpi a 11-inch figure is drawn at about half size in the 688 px page
+    # column, so 16 pt text appears at about 14 px.
+    with plt.rc_context({"font.size": 16}):
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names) + 2), 6.5))
         positions = np.arange(len(names))
         for i, batch in enumerate(batches):
             offsets = positions + (i - (len(batches) - 1) / 2) * width

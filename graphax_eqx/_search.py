@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import heapq
+import itertools
 import json
 import math
 import os
@@ -276,6 +277,9 @@ class OrderSearch:
         candidate (`"searched"`, named orders, `"candidate k"`), else `None`.
     - `machine`: with `measure=True`, where the timings were taken (platform, device,
         versions), else `None`.
+    - `exhaustive`: whether every order was scored (graphs with at most
+        8 intermediate vertices, within the budget), so that `order` is optimal for the
+        objective.
     """
 
     order: Order
@@ -288,6 +292,7 @@ class OrderSearch:
     trace: list[tuple[float, int, float]]
     measured: dict[str, float] | None = None
     machine: dict[str, str] | None = None
+    exhaustive: bool = False
 
     @property
     def reduction(self) -> float:
@@ -316,10 +321,13 @@ class OrderSearch:
             f.write("\n")
 
     def __str__(self) -> str:
+        scored = f"{self.evaluations} orders scored"
+        if self.exhaustive:
+            scored = f"all {self.evaluations} orders scored (optimal)"
         lines = [
             f"searched order: {self.cost.num_muls} multiplications "
             f"({self.reduction:.1%} fewer than the best of fwd/rev/markowitz), "
-            f"{self.evaluations} orders scored in {self.elapsed_s:.1f} s"
+            f"{scored} in {self.elapsed_s:.1f} s"
         ]
         for name, c in self.baselines.items():
             lines.append(f"  {name:<19} {c.num_muls}")
@@ -413,7 +421,9 @@ def search_order(
     greedy restarts (Markowitz, relative Markowitz and lowest fill-in with noisy
     scores) for the first fifth of the budget, then improves the best order by
     simulated annealing with swap and insert moves, replaying only the changed tail of
-    an order. See `docs/orders.md` for the workflow: search once, save, load.
+    an order. Graphs with at most 8 intermediate vertices are searched exhaustively
+    instead (`OrderSearch.exhaustive`). See `docs/orders.md` for the workflow: search
+    once, save, load.
 
     **Arguments:**
 
@@ -487,6 +497,10 @@ class _Settings:
     max_evals: int | None
 
 
+# Graphs with at most this many intermediate vertices are searched exhaustively.
+_EXHAUSTIVE = 8
+
+
 def _search(fun, argnums, has_aux, args, kwargs, pat: _Patterns, settings: _Settings):
     budget_s, objective, seed = settings.budget_s, settings.objective, settings.seed
     max_evals = settings.max_evals
@@ -550,9 +564,20 @@ def _search(fun, argnums, has_aux, args, kwargs, pat: _Patterns, settings: _Sett
             return True
         return time.perf_counter() - t_start >= budget_s
 
+    exhaustive = False
     try:
         for name in ("fwd", "rev", "markowitz", "relative_markowitz", "min_fill"):
             offer(obj.score(internal(named[name])), internal(named[name]))
+        if len(inter) <= _EXHAUSTIVE:
+            # Few enough vertices to score every order (8! = 40,320).
+            exhaustive = True
+            for perm in itertools.permutations(internal(inter)):
+                if done():
+                    exhaustive = False
+                    break
+                offer(obj.score(perm), list(perm))
+                if obj.evaluations % 256 == 0:
+                    tick()
         # Randomised greedy restarts.
         scores = [
             lambda s, st, i: s.vertex_muls(st, i),
@@ -561,7 +586,7 @@ def _search(fun, argnums, has_aux, args, kwargs, pat: _Patterns, settings: _Sett
             ),
             lambda s, st, i: s.vertex_fill(st, i)[1] + 1e-3 * s.vertex_muls(st, i),
         ]
-        while not done() and fraction() < 0.2:
+        while not exhaustive and not done() and fraction() < 0.2:
             state = sim.start()
             pre = (
                 [index[v] for v in safe_preeliminations(sim, state)]
@@ -578,7 +603,7 @@ def _search(fun, argnums, has_aux, args, kwargs, pat: _Patterns, settings: _Sett
         n = len(best)
         t_sa = fraction()
         stall = 0
-        while n > 1 and not done():
+        while n > 1 and not exhaustive and not done():
             f = (fraction() - t_sa) / max(1.0 - t_sa, 1e-9)
             temperature = best_value * (0.01 * (0.02**f)) + 1e-9
             cand = list(obj.current)
@@ -641,6 +666,7 @@ def _search(fun, argnums, has_aux, args, kwargs, pat: _Patterns, settings: _Sett
         trace,
         measured,
         machine,
+        exhaustive and not settings.measure,
     )
 
 

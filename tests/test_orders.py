@@ -300,3 +300,36 @@ def test_named_heuristics_accept_any_case():
     a = gx.jacve(_small, order="Min_Fill")(x)
     b = gx.jacve(_small, order="RELATIVE_MARKOWITZ")(x)
     assert_tree_matches(a, b)
+
+
+def _tiny(a, b):
+    y = jnp.sin(a * b)
+    return jnp.exp(y) * a + y * b
+
+
+def test_small_graphs_are_searched_exhaustively():
+    import itertools
+
+    args = (jnp.asarray(0.3), jnp.asarray(-0.2))
+    graph = gx.make_graph(_tiny, argnums=(0, 1))(*args)
+    inter = list(graph.intermediates)
+    assert 2 <= len(inter) <= 8
+    found = gx.search_order(_tiny, argnums=(0, 1), budget_s=60.0, progress=False)(*args)
+    assert found.exhaustive
+    assert "optimal" in str(found)
+    best = min(
+        gx.elimination_cost(_tiny, order=list(p), argnums=(0, 1))(*args).num_muls
+        for p in itertools.permutations(inter)
+    )
+    assert found.cost.num_muls == best
+    assert sorted(found.order) == sorted(inter)
+    # Larger graphs are not, and a spent budget stops the enumeration.
+    task, targs = _task_args("RoeFlux_1d")
+    big = gx.search_order(
+        task.fn, argnums=task.argnums, budget_s=60.0, max_evals=50, progress=False
+    )(*targs)
+    assert not big.exhaustive
+    cut = gx.search_order(
+        _tiny, argnums=(0, 1), budget_s=60.0, max_evals=3, progress=False
+    )(*args)
+    assert not cut.exhaustive
