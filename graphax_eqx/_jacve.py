@@ -1229,6 +1229,32 @@ def _describe(edge) -> str:
     return repr(edge)
 
 
+def abstract_graph(
+    fun: Callable,
+    args: tuple,
+    kwargs: dict,
+    argnums: tuple[int, ...],
+    has_aux: bool,
+    name: str,
+) -> tuple[Structure, EdgeGraph, int]:
+    """Trace `fun` at `args` and build its graph of partials abstractly (no FLOPs).
+
+    Returns the structure, the graph (its partials hold abstract values: read only
+    their static parts) and the additions made while building it.
+    """
+    prep = _prepare(fun, args, kwargs, argnums, has_aux, name)
+    traced = prep.traced
+    captured = {}
+
+    def abstract(*leaves):
+        _, graph, adds = evaluate(traced.program, traced.structure, list(leaves))
+        captured.update(graph=graph, adds=int(adds))
+        return 0
+
+    jax.eval_shape(abstract, *prep.leaves)
+    return traced.structure, captured["graph"], captured["adds"]
+
+
 def make_graph(
     fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False
 ) -> Callable[..., Graph]:
@@ -1262,18 +1288,9 @@ def make_graph(
     argnums_t, _ = _normalise_argnums(argnums, "make_graph")
 
     def build(*args, **kwargs) -> Graph:
-        prep = _prepare(fun, args, kwargs, argnums_t, has_aux, "make_graph")
-        traced = prep.traced
-        structure = traced.structure
-        captured = {}
-
-        def abstract(*leaves):
-            _, graph, _ = evaluate(traced.program, structure, list(leaves))
-            captured["graph"] = graph
-            return 0
-
-        jax.eval_shape(abstract, *prep.leaves)
-        graph = captured["graph"]
+        structure, graph, _ = abstract_graph(
+            fun, args, kwargs, argnums_t, has_aux, "make_graph"
+        )
         vertices = []
         for v in sorted(
             structure.shape_of, key=lambda v: (v >= 0, abs(v) if v < 0 else v)

@@ -20,8 +20,8 @@ import jax
 import numpy as np
 
 from ._eliminate import sim_edge
-from ._graph import EdgeGraph, Structure, evaluate
-from ._jacve import _normalise_argnums, _prepare, jacve
+from ._graph import EdgeGraph, Structure
+from ._jacve import _normalise_argnums, abstract_graph, jacve
 from ._orders import (
     Order,
     candidates,
@@ -51,22 +51,9 @@ class _Patterns:
 def _patterns(fun, argnums, has_aux, args, kwargs, name) -> _Patterns:
     """The pattern graph of `fun` at `args`, built abstractly (no FLOPs)."""
     argnums_t, _ = _normalise_argnums(argnums, name)
-    prep = _prepare(fun, args, kwargs, argnums_t, has_aux, name)
-    traced = prep.traced
-    structure = traced.structure
-    captured = {}
-
-    def abstract(*leaves):
-        _, graph, adds0 = evaluate(traced.program, structure, list(leaves))
-        captured["graph"] = graph.copy_with(sim_edge)
-        captured["adds"] = int(adds0)
-        return 0
-
-    jax.eval_shape(abstract, *prep.leaves)
-    graph = captured["graph"]
-    return _Patterns(
-        graph, structure, captured["adds"], graph_fingerprint(graph, structure)
-    )
+    structure, graph, adds = abstract_graph(fun, args, kwargs, argnums_t, has_aux, name)
+    graph = graph.copy_with(sim_edge)
+    return _Patterns(graph, structure, adds, graph_fingerprint(graph, structure))
 
 
 #
