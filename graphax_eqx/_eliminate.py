@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._band import BandPattern, BandTensor
 from ._graph import EdgeGraph
 from ._indexed import CooPattern, CooTensor, mixed_sum_plan
 from ._sparse import (
@@ -39,6 +40,8 @@ class SimEdge:
 def sim_edge(partial) -> SimEdge:
     if isinstance(partial, LinearMap):
         return SimEdge(partial.pattern, True)
+    if isinstance(partial, BandTensor):
+        return SimEdge(partial.pattern, True)
     assert isinstance(partial, (SparseTensor, CooTensor))
     return SimEdge(partial.pattern, partial.val is not None)
 
@@ -49,7 +52,9 @@ def sim_product(a: SimEdge, b: SimEdge) -> tuple[SimEdge, int]:
 
 
 def sim_add(a: SimEdge, b: SimEdge) -> tuple[SimEdge, int]:
-    if isinstance(a.pattern, CooPattern) or isinstance(b.pattern, CooPattern):
+    if isinstance(a.pattern, (CooPattern, BandPattern)) or isinstance(
+        b.pattern, (CooPattern, BandPattern)
+    ):
         plan = mixed_sum_plan(a.pattern, b.pattern, a.has_val, b.has_val)
         return SimEdge(plan.pattern, plan.has_val), plan.adds
     pattern, adds = sum_plan(a.pattern, b.pattern, a.has_val, b.has_val)

@@ -953,9 +953,19 @@ def _coo_pattern_of(p: Pattern, has_val: bool) -> CooPattern:
 
 
 def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
-    """Plan `A · B` where at least one side is a static sparse pattern."""
+    """Plan `A · B` where at least one side is a static sparse pattern (coordinates
+    or a band)."""
+    from ._band import BandPattern, band_product_plan
     from ._sparse import plan_has_val, product_plan
 
+    band = band_product_plan(pa, pb)
+    if band is not None:
+        return band
+    # A band meeting anything else goes back to its exact coordinates.
+    if isinstance(pa, BandPattern):
+        pa, a_val = pa.exact, True
+    if isinstance(pb, BandPattern):
+        pb, b_val = pb.exact, True
     originals = (pa, pb, a_val, b_val)
     conv_a = conv_b = None
     if not (isinstance(pa, CooPattern) and isinstance(pb, CooPattern)):
@@ -996,9 +1006,18 @@ def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
 
 
 def mixed_sum_plan(pa, pb, a_val: bool, b_val: bool):
-    """Plan `A + B` where at least one side is a static sparse pattern."""
+    """Plan `A + B` where at least one side is a static sparse pattern (coordinates
+    or a band)."""
+    from ._band import BandPattern, band_sum_plan
     from ._sparse import sum_plan
 
+    band = band_sum_plan(pa, pb)
+    if band is not None:
+        return band
+    if isinstance(pa, BandPattern):
+        pa, a_val = pa.exact, True
+    if isinstance(pb, BandPattern):
+        pb, b_val = pb.exact, True
     if isinstance(pa, CooPattern) and isinstance(pb, CooPattern):
         return coo_sum_plan(pa, pb, a_val, b_val)
     conv_a, conv_b, pa, pb, a_val, b_val = _converted(pa, pb, a_val, b_val)
@@ -1012,8 +1031,15 @@ def mixed_sum_plan(pa, pb, a_val: bool, b_val: bool):
     return ConvertPlan(pattern, "convert", 0, adds, has_val, conv_a, conv_b, inner)
 
 
+def _unband(x):
+    from ._band import BandTensor, to_coo as band_to_coo
+
+    return band_to_coo(x) if isinstance(x, BandTensor) else x
+
+
 def _convert(x, how: str | None):
-    if how == "coo":
+    x = _unband(x)
+    if how == "coo" and not isinstance(x, CooTensor):
         return to_coo(x)
     if how == "labeled":
         return to_labeled(x)
@@ -1021,8 +1047,12 @@ def _convert(x, how: str | None):
 
 
 def run_product(a, b, plan, dtype):
+    from ._band import BandProductPlan, band_product
     from ._sparse import product
 
+    if isinstance(plan, BandProductPlan):
+        return band_product(a, b, plan, dtype), plan.muls
+    a, b = _unband(a), _unband(b)
     if isinstance(plan, CooProductPlan):
         return coo_product(a, b, plan, dtype), plan.muls
     out, _ = product(_convert(a, plan.conv_a), _convert(b, plan.conv_b))
@@ -1030,8 +1060,12 @@ def run_product(a, b, plan, dtype):
 
 
 def run_add(a, b, plan, dtype):
+    from ._band import BandSumPlan, band_add
     from ._sparse import add
 
+    if isinstance(plan, BandSumPlan):
+        return band_add(a, b, plan, dtype), plan.adds
+    a, b = _unband(a), _unband(b)
     if isinstance(plan, CooSumPlan):
         return coo_add(a, b, plan, dtype), plan.adds
     a, b = _convert(a, plan.conv_a), _convert(b, plan.conv_b)

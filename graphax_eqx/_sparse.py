@@ -574,10 +574,17 @@ def _settle(plan: _ProductPlan) -> _ProductPlan:
 
 
 @functools.lru_cache(maxsize=65536)
+def _coordinates(p: AnyPattern) -> bool:
+    """Whether `p` is a static sparse pattern (coordinates or a band)."""
+    from ._band import BandPattern
+
+    return isinstance(p, (_indexed.CooPattern, BandPattern))
+
+
 def product_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
     """Plan `A · B` for `A: w ← v`, `B: v ← u` from their patterns alone."""
     assert pa.in_shape == pb.out_shape, (pa, pb)
-    if isinstance(pa, _indexed.CooPattern) or isinstance(pb, _indexed.CooPattern):
+    if _coordinates(pa) or _coordinates(pb):
         return _indexed.mixed_product_plan(pa, pb, a_val, b_val)
     if isinstance(pa, LinearPattern) and isinstance(pb, LinearPattern):
         p = LinearPattern(
@@ -866,7 +873,7 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
 def sum_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
     """The pattern of `A + B` and the number of additions it costs."""
     assert pa.shape == pb.shape, (pa, pb)
-    if isinstance(pa, _indexed.CooPattern) or isinstance(pb, _indexed.CooPattern):
+    if _coordinates(pa) or _coordinates(pb):
         plan = _indexed.mixed_sum_plan(pa, pb, a_val, b_val)
         return plan.pattern, plan.adds
     if isinstance(pa, LinearPattern) or isinstance(pb, LinearPattern):
@@ -914,7 +921,7 @@ def add(a: Partial, b: Partial) -> tuple[Partial, int]:
     """`A + B`; returns the sum and its number of additions."""
     a_val, b_val = has_val(a), has_val(b)
     dtype = _result_dtype(a, b)
-    if isinstance(a, _indexed.CooTensor) or isinstance(b, _indexed.CooTensor):
+    if _coordinates(a.pattern) or _coordinates(b.pattern):
         plan = _indexed.mixed_sum_plan(a.pattern, b.pattern, a_val, b_val)
         return _indexed.run_add(a, b, plan, dtype)
     target, adds = sum_plan(a.pattern, b.pattern, a_val, b_val)

@@ -1,0 +1,376 @@
+"""Banded partials stored by diagonals.
+
+A Jacobian block whose structural nonzeros lie on a few diagonals of its flattened
+`(rows, cols)` matrix, `cols - rows ∈ offsets`, is stored as `val[k, r] = J[r, r +
+offsets[k]]`: one row per diagonal, one slot per row, zero where a diagonal leaves the
+matrix or the block has a structural zero. Slicing rows is then a slice, scaling by an
+elementwise partial a broadcast multiply, and the product of two banded blocks a sum
+of shifted elementwise products: no index arrays and no gathers, which on CPU cost
+about as much per entry as a whole fused elementwise expression.
+
+Explicit stencils, finite-difference residuals and time steps of 1-D PDEs produce such
+partials, and forward or reverse accumulation through several steps keeps them banded
+(the band widens by the stencil's reach per step). Coordinate partials
+([`graphax_eqx._indexed.CooPattern`][]) become banded when two of them, large, tie-free
+and dense on few diagonals, meet in a product; a banded partial meeting anything else
+is converted back to exact coordinates. The exact structural pattern is carried along,
+so the result's coordinates, `nse` and counts of structural nonzeros are unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._indexed import (
+    CooPattern,
+    CooTensor,
+    coo_product_plan,
+    coo_sum_plan,
+)
+from ._sparse import BlockShape, Pattern, SparseTensor
+
+
+Array = Any
+
+# Partials with fewer rows stay coordinates: exact and cheap either way.
+BAND_MIN_ROWS = 1024
+# At most this many diagonals, each at least this full on average (structural
+# nonzeros over stored slots), else coordinates are cheaper.
+BAND_MAX_OFFSETS = 64
+BAND_MIN_FILL = 0.5
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BandPattern:
+    """The static structure of a [`BandTensor`][]: its diagonals and its exact
+    coordinates (`exact`, a tie-free `CooPattern`)."""
+
+    offsets: tuple[int, ...]
+    exact: CooPattern
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.exact.out_shape
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return self.exact.in_shape
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.exact.shape
+
+    @property
+    def n_rows(self) -> int:
+        return math.prod(self.out_shape)
+
+    @property
+    def n_cols(self) -> int:
+        return math.prod(self.in_shape)
+
+    @property
+    def val_size(self) -> int:
+        return len(self.offsets) * self.n_rows
+
+    @functools.cached_property
+    def positions(self) -> np.ndarray:
+        """The flat slot in the `(diagonal, row)` value array of each exact entry."""
+        e = self.exact
+        k = np.searchsorted(np.asarray(self.offsets), e.cols - e.rows)
+        return k * self.n_rows + e.rows
+
+    @functools.cached_property
+    def stored(self) -> np.ndarray:
+        """`(diagonal, row)` booleans: whether the slot holds an exact entry."""
+        mask = np.zeros(self.val_size, bool)
+        mask[self.positions] = True
+        return mask.reshape(len(self.offsets), self.n_rows)
+
+    def __hash__(self):
+        return hash((self.offsets, self.exact))
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, BandPattern)
+            and self.offsets == other.offsets
+            and self.exact == other.exact
+        )
+
+
+class BandTensor(BlockShape, eqx.Module):
+    """A banded partial: `val[k, r]` is entry `(r, r + pattern.offsets[k])` of the
+    flattened block, zero outside its exact pattern."""
+
+    val: Array
+    pattern: BandPattern = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+
+
+#
+# Becoming banded, and back.
+#
+
+
+def _banded(exact: CooPattern, relaxed: bool = False) -> BandPattern | None:
+    """`exact` as a band, if it is a large, tie-free 1-D pattern dense on few
+    diagonals. `relaxed`: any size and density (for an operand meeting a band)."""
+    if exact.ties or len(exact.out_shape) != 1 or len(exact.in_shape) != 1:
+        return None
+    if exact.nnz == 0:
+        return None
+    n_rows = math.prod(exact.out_shape)
+    offsets = np.unique(exact.cols - exact.rows)
+    if len(offsets) > BAND_MAX_OFFSETS:
+        return None
+    if not relaxed and (
+        n_rows < BAND_MIN_ROWS or exact.nnz < BAND_MIN_FILL * len(offsets) * n_rows
+    ):
+        return None
+    return BandPattern(tuple(int(d) for d in offsets), exact)
+
+
+@functools.lru_cache(maxsize=4096)
+def band_of(p: Any, relaxed: bool = False) -> BandPattern | None:
+    """The band a partial of pattern `p` converts to, or `None`.
+
+    Bands stay bands; tie-free coordinate patterns qualify by `_banded`; a labeled
+    pattern qualifies when it is elementwise on one axis (the main diagonal).
+    `relaxed` drops the size and density conditions: for an operand meeting a band.
+    """
+    if isinstance(p, BandPattern):
+        return p
+    if isinstance(p, CooPattern):
+        return _banded(p, relaxed)
+    if isinstance(p, Pattern) and len(p.out_shape) == 1 and _is_elementwise(p):
+        n = math.prod(p.out_shape)
+        if n < BAND_MIN_ROWS and not relaxed:
+            return None
+        idx = np.arange(n, dtype=np.int64)
+        exact = CooPattern(p.out_shape, p.in_shape, (), (), idx, idx)
+        return BandPattern((0,), exact)
+    return None
+
+
+def _is_elementwise(p: Pattern) -> bool:
+    k = len(p.out_shape)
+    if p.out_shape != p.in_shape:
+        return False
+    out, inn = p.labels[:k], p.labels[k:]
+    return out == inn and len(set(out)) == k
+
+
+def to_band(x, bp: BandPattern, dtype) -> BandTensor:
+    """A partial whose pattern `band_of` maps to `bp`, as a `BandTensor`."""
+    if isinstance(x, BandTensor):
+        return x
+    n_rows = bp.n_rows
+    size = bp.val_size
+    if isinstance(x, SparseTensor):
+        p = x.pattern
+        if x.val is None:
+            diag = jnp.ones((n_rows,), dtype)
+        else:
+            val = x.val
+            if x.mask is not None:
+                val = lax.select(x.mask, lax.full_like(val, 0), val)
+            k = len(p.out_shape)
+            dims = tuple(p.labels[:k].index(label) for label in p.val_labels)
+            full = lax.broadcast_in_dim(val, p.out_shape, dims)
+            diag = full.reshape(n_rows).astype(dtype)
+        return BandTensor(diag.reshape(1, n_rows), bp, jnp.dtype(dtype))
+    assert isinstance(x, CooTensor)
+    if x.val is None:
+        flat = np.zeros(size, np.dtype(dtype))
+        flat[bp.positions] = 1
+        return BandTensor(
+            jnp.asarray(flat.reshape(len(bp.offsets), n_rows)), bp, jnp.dtype(dtype)
+        )
+    val = x.val
+    if x.mask is not None:
+        val = lax.select(x.mask, lax.full_like(val, 0), val)
+    flat = jnp.zeros((size,), dtype)
+    flat = flat.at[jnp.asarray(bp.positions)].set(
+        val.astype(dtype), unique_indices=True, mode="promise_in_bounds"
+    )
+    return BandTensor(flat.reshape(len(bp.offsets), n_rows), bp, jnp.dtype(dtype))
+
+
+def to_coo(x: BandTensor) -> CooTensor:
+    """`x` as exact coordinates (one gather)."""
+    bp = x.pattern
+    flat = x.val.reshape(-1)
+    idx = jnp.asarray(bp.positions.reshape(-1, 1).astype(np.int32))
+    dnums = lax.GatherDimensionNumbers(
+        offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,)
+    )
+    val = lax.gather(
+        flat,
+        idx,
+        dnums,
+        (1,),
+        indices_are_sorted=bool(np.all(np.diff(bp.positions) >= 0)),
+        mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
+    return CooTensor(val, bp.exact, x.dtype)
+
+
+#
+# Products and sums.
+#
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BandProductPlan:
+    pattern: Any  # the BandPattern of the result, or its CooPattern when not banded
+    kind: str
+    muls: int
+    has_val: bool
+    band_a: BandPattern
+    band_b: BandPattern
+    result: BandPattern  # the result as a band (converted when `pattern` is not)
+    terms: tuple[tuple[int, int, int], ...]  # (diagonal of A, of B, of the result)
+
+
+def _operands(pa: Any, pb: Any) -> tuple[BandPattern | None, BandPattern | None]:
+    """Both operands as bands: strictly, or relaxed for one that meets a band."""
+    relax_a = isinstance(pb, BandPattern)
+    relax_b = isinstance(pa, BandPattern)
+    return band_of(pa, relax_a), band_of(pb, relax_b)
+
+
+@functools.lru_cache(maxsize=4096)
+def band_product_plan(pa: Any, pb: Any) -> BandProductPlan | None:
+    """Plan `A · B` on bands, if both operands convert to bands and so does the
+    result."""
+    ba, bb = _operands(pa, pb)
+    if ba is None or bb is None:
+        return None
+    exact = coo_product_plan(ba.exact, bb.exact, True, True).coo
+    result = _banded(exact)
+    if result is None:
+        return None
+    offsets = result.offsets
+    index = {d: k for k, d in enumerate(offsets)}
+    terms = []
+    for ka, da in enumerate(ba.offsets):
+        for kb, db in enumerate(bb.offsets):
+            kc = index.get(da + db)
+            if kc is not None:
+                terms.append((ka, kb, kc))
+    muls = len(terms) * ba.n_rows
+    return BandProductPlan(result, "band", muls, True, ba, bb, result, tuple(terms))
+
+
+def _shifted_rows(val: Array, shift: int, n: int) -> Array:
+    """`val[:, shift + r]` for `r` in `0..n-1`, zero where out of range."""
+    rows = val.shape[1]
+    lo, hi = shift, shift + n
+    pad_lo, pad_hi = max(0, -lo), max(0, hi - rows)
+    if pad_lo or pad_hi:
+        val = jnp.pad(val, ((0, 0), (pad_lo, pad_hi)))
+    return val[:, lo + pad_lo : hi + pad_lo]
+
+
+def _contiguous(at: list[int]) -> bool:
+    return at == list(range(at[0], at[0] + len(at)))
+
+
+def _place(rows: Array, at: list[int], n_out: int) -> Array:
+    """A `(n_out, n)` array holding `rows[j]` at row `at[j]` (contiguous), zero
+    elsewhere."""
+    if len(at) == n_out:
+        return rows
+    return jnp.pad(rows, ((at[0], n_out - at[-1] - 1), (0, 0)))
+
+
+def band_product(a, b, plan: BandProductPlan, dtype):
+    ta = to_band(a, plan.band_a, dtype)
+    tb = to_band(b, plan.band_b, dtype)
+    va, vb = ta.val.astype(dtype), tb.val.astype(dtype)
+    n = plan.result.n_rows
+    n_c = len(plan.result.offsets)
+    kbs = [kb for _, kb, _ in plan.terms]
+    kcs = [kc for _, _, kc in plan.terms]
+    if len(plan.band_a.offsets) == 1 and _contiguous(kbs) and _contiguous(kcs):
+        # One diagonal of A (an elementwise partial or a shift): every diagonal of B
+        # at once, as one broadcast multiply.
+        da = plan.band_a.offsets[0]
+        block = _shifted_rows(vb[kbs[0] : kbs[-1] + 1], da, n)
+        val = _place(va[0][None, :] * block, kcs, n_c)
+    else:
+        acc: dict[int, Array] = {}
+        for ka, kb, kc in plan.terms:
+            # Entry (r, r + da) of A meets row r + da of B's diagonal kb.
+            da = plan.band_a.offsets[ka]
+            term = va[ka] * _shifted_rows(vb[kb : kb + 1], da, n)[0]
+            acc[kc] = term if kc not in acc else acc[kc] + term
+        zeros = jnp.zeros((n,), dtype)
+        val = jnp.stack([acc.get(k, zeros) for k in range(n_c)])
+    # Slots off the exact pattern stay exactly zero, as coordinates would leave them
+    # (a term reaches them only through a zero slot of an operand, which is not a
+    # zero against an infinite partial).
+    mask = plan.result.stored
+    if not mask.all():
+        val = jnp.where(jnp.asarray(mask), val, jnp.zeros((), dtype))
+    return BandTensor(val, plan.result, jnp.dtype(dtype))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BandSumPlan:
+    pattern: Any
+    adds: int
+    has_val: bool
+    band_a: BandPattern
+    band_b: BandPattern
+    result: BandPattern
+
+
+@functools.lru_cache(maxsize=4096)
+def band_sum_plan(pa: Any, pb: Any) -> BandSumPlan | None:
+    """Plan `A + B` on bands, if both operands convert to bands and so does the
+    result."""
+    ba, bb = _operands(pa, pb)
+    if ba is None or bb is None:
+        return None
+    exact = coo_sum_plan(ba.exact, bb.exact, True, True).coo
+    result = _banded(exact)
+    if result is None:
+        return None
+    assert set(result.offsets) == set(ba.offsets) | set(bb.offsets)
+    adds = len(set(ba.offsets) & set(bb.offsets)) * ba.n_rows
+    return BandSumPlan(result, adds, True, ba, bb, result)
+
+
+def band_add(a, b, plan: BandSumPlan, dtype):
+    ta = to_band(a, plan.band_a, dtype)
+    tb = to_band(b, plan.band_b, dtype)
+    n = plan.result.n_rows
+    n_c = len(plan.result.offsets)
+    index = {d: k for k, d in enumerate(plan.result.offsets)}
+    at_a = [index[d] for d in plan.band_a.offsets]
+    at_b = [index[d] for d in plan.band_b.offsets]
+    va, vb = ta.val.astype(dtype), tb.val.astype(dtype)
+    if _contiguous(at_a) and _contiguous(at_b):
+        val = _place(va, at_a, n_c) + _place(vb, at_b, n_c)
+    else:
+        zeros = jnp.zeros((n,), dtype)
+        ia = dict(zip(at_a, range(len(at_a))))
+        ib = dict(zip(at_b, range(len(at_b))))
+        rows = []
+        for k in range(n_c):
+            xa = va[ia[k]] if k in ia else None
+            xb = vb[ib[k]] if k in ib else None
+            if xa is None:
+                rows.append(zeros if xb is None else xb)
+            else:
+                rows.append(xa if xb is None else xa + xb)
+        val = jnp.stack(rows)
+    return BandTensor(val, plan.result, jnp.dtype(dtype))

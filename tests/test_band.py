@@ -1,0 +1,142 @@
+"""Banded partials stored by diagonals (`graphax_eqx._band`).
+
+Programs on 1-D arrays long enough for banded storage (`BAND_MIN_ROWS`) must give the
+same Jacobians, structural nonzeros, NaN positions and operation counts as the exact
+coordinate path, and match `jax.jacfwd`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import graphax_eqx as gx
+from graphax_eqx import _band
+
+from .helpers import ORDERS
+
+
+N = _band.BAND_MIN_ROWS + 76
+
+
+def _stencil(u):
+    return u[2:] - 2 * u[1:-1] + u[:-2] + jnp.sin(u[1:-1]) ** 3
+
+
+def _heat(u):
+    for _ in range(3):
+        mean = 0.5 * (u[1:] + u[:-1])
+        flux = (1.0 + 0.5 * mean * mean) * (u[1:] - u[:-1])
+        u = jnp.concatenate([u[:1], u[1:-1] + 0.2 * (flux[1:] - flux[:-1]), u[-1:]])
+    return u
+
+
+def _burgers(u):
+    du = jnp.diff(u)
+    return -u[1:] * du + 0.01 * jnp.diff(jnp.pad(du, (1, 0)))
+
+
+def _wide(u):
+    # A reach of three on each side, then a product of two banded factors.
+    v = jnp.exp(0.1 * u[3:-3]) * (u[6:] - u[:-6]) + jnp.cos(u[2:-4]) * u[4:-2]
+    return v[1:] * v[:-1]
+
+
+PROGRAMS = {"stencil": _stencil, "heat": _heat, "burgers": _burgers, "wide": _wide}
+
+
+def _input(dtype):
+    x = np.linspace(0.1, 1.0, N) + 0.05 * np.sin(np.arange(N))
+    return jnp.asarray(x, dtype)
+
+
+def _without_bands(monkeypatch):
+    monkeypatch.setattr(_band, "BAND_MIN_ROWS", 10**12)
+    _clear()
+
+
+def _clear():
+    _band.band_of.cache_clear()
+    _band.band_product_plan.cache_clear()
+    _band.band_sum_plan.cache_clear()
+
+
+@pytest.fixture
+def count_band_products(monkeypatch):
+    calls = []
+    original = _band.band_product
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(_band, "band_product", counted)
+    _clear()
+    yield calls
+    _clear()
+
+
+@pytest.mark.parametrize("order", [o for o in ORDERS if o != "random"])
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_band_matches_jacfwd_and_coordinates(name, order, count_band_products):
+    f = PROGRAMS[name]
+    x = _input(jnp.float64)
+    ref = np.asarray(jax.jacfwd(f)(x))
+    sparse = jax.jit(gx.jacve(f, order=order, sparse_representation=True))(x)
+    dense = gx.jacve(f, order=order)(x)
+    if order != "auto":
+        assert count_band_products, "the band path was not taken"
+    np.testing.assert_allclose(np.asarray(sparse.dense()), ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(dense), ref, rtol=1e-10, atol=1e-12)
+    # These programs have no accidental zeros: stored entries are the nonzeros.
+    assert sparse.to_bcoo().nse == int(np.count_nonzero(ref))
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_band_counts_match_the_simulator(name):
+    f = PROGRAMS[name]
+    x = _input(jnp.float32)
+    for order in ("fwd", "rev", "markowitz"):
+        _, counts = gx.jacve(f, order=order, count_ops=True)(x)
+        cost = gx.elimination_cost(f, order=order)(x)
+        assert counts["num_muls"] == cost.num_muls
+        assert counts["num_adds"] == cost.num_adds
+
+
+def test_band_nan_positions_equal_coordinates(monkeypatch):
+    # sqrt at 0 gives infinite partials inside the band.
+    def f(u):
+        for _ in range(3):
+            s = jnp.sqrt(jnp.abs(u[1:-1]))
+            lap = u[2:] - 2 * u[1:-1] + u[:-2]
+            u = jnp.concatenate([u[:1], u[1:-1] + 0.1 * lap * s, u[-1:]])
+        return u
+
+    x = jnp.linspace(-1.0, 1.0, N).at[N // 2].set(0.0).at[100].set(0.0)
+    with_bands = {o: np.asarray(gx.jacve(f, order=o)(x)) for o in ("fwd", "min_fill")}
+    _without_bands(monkeypatch)
+    for order, got in with_bands.items():
+        want = np.asarray(gx.jacve(f, order=order)(x))
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_allclose(
+            np.nan_to_num(got, nan=0.0), np.nan_to_num(want, nan=0.0), rtol=1e-6
+        )
+    _clear()
+
+
+def test_band_under_vmap_and_float32():
+    f = _heat
+    xs = jnp.stack([_input(jnp.float32), 0.5 * _input(jnp.float32)])
+    got = jax.vmap(gx.jacve(f, order="min_fill"))(xs)
+    want = jax.vmap(jax.jacfwd(f))(xs)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6)
+
+
+def test_jacve_of_jacve_through_bands():
+    def f(u):
+        return jnp.sum(_stencil(u) ** 2)
+
+    x = _input(jnp.float64)[:N]
+    got = gx.jacve(gx.jacve(f, order="rev"), order="fwd")(x)
+    want = jax.jacfwd(jax.jacrev(f))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-9, atol=1e-9)
