@@ -246,17 +246,36 @@ def _operands(pa: Any, pb: Any) -> tuple[BandPattern | None, BandPattern | None]
     return band_of(pa, relax_a), band_of(pb, relax_b)
 
 
+def unbanded(pa: Any, a_val: bool, pb: Any, b_val: bool):
+    """The operands with bands replaced by their exact coordinates (which store
+    values): `(pa, a_val, pb, b_val)`."""
+    if isinstance(pa, BandPattern):
+        pa, a_val = pa.exact, True
+    if isinstance(pb, BandPattern):
+        pb, b_val = pb.exact, True
+    return pa, a_val, pb, b_val
+
+
+def _banded_result(pa: Any, pb: Any, coo_plan):
+    """`(A's band, B's band, the result's band)` if all three are bands, else
+    `None`; `coo_plan` plans the exact coordinates of the result."""
+    ba, bb = _operands(pa, pb)
+    if ba is None or bb is None:
+        return None
+    result = _banded(coo_plan(ba.exact, bb.exact, True, True).coo)
+    if result is None:
+        return None
+    return ba, bb, result
+
+
 @functools.lru_cache(maxsize=4096)
 def band_product_plan(pa: Any, pb: Any) -> BandProductPlan | None:
     """Plan `A · B` on bands, if both operands convert to bands and so does the
     result."""
-    ba, bb = _operands(pa, pb)
-    if ba is None or bb is None:
+    found = _banded_result(pa, pb, coo_product_plan)
+    if found is None:
         return None
-    exact = coo_product_plan(ba.exact, bb.exact, True, True).coo
-    result = _banded(exact)
-    if result is None:
-        return None
+    ba, bb, result = found
     offsets = result.offsets
     index = {d: k for k, d in enumerate(offsets)}
     terms = []
@@ -337,13 +356,10 @@ class BandSumPlan:
 def band_sum_plan(pa: Any, pb: Any) -> BandSumPlan | None:
     """Plan `A + B` on bands, if both operands convert to bands and so does the
     result."""
-    ba, bb = _operands(pa, pb)
-    if ba is None or bb is None:
+    found = _banded_result(pa, pb, coo_sum_plan)
+    if found is None:
         return None
-    exact = coo_sum_plan(ba.exact, bb.exact, True, True).coo
-    result = _banded(exact)
-    if result is None:
-        return None
+    ba, bb, result = found
     assert set(result.offsets) == set(ba.offsets) | set(bb.offsets)
     adds = len(set(ba.offsets) & set(bb.offsets)) * ba.n_rows
     return BandSumPlan(result, adds, True, ba, bb, result)

@@ -955,17 +955,14 @@ def _coo_pattern_of(p: Pattern, has_val: bool) -> CooPattern:
 def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
     """Plan `A · B` where at least one side is a static sparse pattern (coordinates
     or a band)."""
-    from ._band import BandPattern, band_product_plan
+    from ._band import band_product_plan, unbanded
     from ._sparse import plan_has_val, product_plan
 
     band = band_product_plan(pa, pb)
     if band is not None:
         return band
     # A band meeting anything else goes back to its exact coordinates.
-    if isinstance(pa, BandPattern):
-        pa, a_val = pa.exact, True
-    if isinstance(pb, BandPattern):
-        pb, b_val = pb.exact, True
+    pa, a_val, pb, b_val = unbanded(pa, a_val, pb, b_val)
     originals = (pa, pb, a_val, b_val)
     conv_a = conv_b = None
     if not (isinstance(pa, CooPattern) and isinstance(pb, CooPattern)):
@@ -1008,16 +1005,13 @@ def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
 def mixed_sum_plan(pa, pb, a_val: bool, b_val: bool):
     """Plan `A + B` where at least one side is a static sparse pattern (coordinates
     or a band)."""
-    from ._band import BandPattern, band_sum_plan
+    from ._band import band_sum_plan, unbanded
     from ._sparse import sum_plan
 
     band = band_sum_plan(pa, pb)
     if band is not None:
         return band
-    if isinstance(pa, BandPattern):
-        pa, a_val = pa.exact, True
-    if isinstance(pb, BandPattern):
-        pb, b_val = pb.exact, True
+    pa, a_val, pb, b_val = unbanded(pa, a_val, pb, b_val)
     if isinstance(pa, CooPattern) and isinstance(pb, CooPattern):
         return coo_sum_plan(pa, pb, a_val, b_val)
     conv_a, conv_b, pa, pb, a_val, b_val = _converted(pa, pb, a_val, b_val)
