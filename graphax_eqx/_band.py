@@ -32,10 +32,11 @@ from jax import lax
 from ._indexed import (
     CooPattern,
     CooTensor,
+    _take_last,
     coo_product_plan,
     coo_sum_plan,
 )
-from ._sparse import BlockShape, Pattern, SparseTensor
+from ._sparse import BlockShape, Pattern, SparseTensor, _broadcast_val
 
 
 Array = Any
@@ -167,59 +168,40 @@ def _is_elementwise(p: Pattern) -> bool:
     return out == inn and len(set(out)) == k
 
 
+def _unmasked(val: Array, mask: Array | None) -> Array:
+    """`val` with its selected-away entries (see `graphax_eqx.SparseTensor`) zero."""
+    return val if mask is None else lax.select(mask, lax.full_like(val, 0), val)
+
+
 def to_band(x, bp: BandPattern, dtype) -> BandTensor:
     """A partial whose pattern `band_of` maps to `bp`, as a `BandTensor`."""
     if isinstance(x, BandTensor):
         return x
-    n_rows = bp.n_rows
-    size = bp.val_size
+    n_diag, n_rows = len(bp.offsets), bp.n_rows
     if isinstance(x, SparseTensor):
-        p = x.pattern
-        if x.val is None:
-            diag = jnp.ones((n_rows,), dtype)
-        else:
-            val = x.val
-            if x.mask is not None:
-                val = lax.select(x.mask, lax.full_like(val, 0), val)
-            k = len(p.out_shape)
-            dims = tuple(p.labels[:k].index(label) for label in p.val_labels)
-            full = lax.broadcast_in_dim(val, p.out_shape, dims)
-            diag = full.reshape(n_rows).astype(dtype)
-        return BandTensor(diag.reshape(1, n_rows), bp, jnp.dtype(dtype))
+        # One axis, elementwise: its (broadcast) value is the main diagonal.
+        diag = _unmasked(_broadcast_val(x, (0,)), x.mask)
+        return BandTensor(diag.reshape(1, n_rows).astype(dtype), bp, jnp.dtype(dtype))
     assert isinstance(x, CooTensor)
     if x.val is None:
-        flat = np.zeros(size, np.dtype(dtype))
+        flat = np.zeros(bp.val_size, np.dtype(dtype))
         flat[bp.positions] = 1
         return BandTensor(
-            jnp.asarray(flat.reshape(len(bp.offsets), n_rows)), bp, jnp.dtype(dtype)
+            jnp.asarray(flat.reshape(n_diag, n_rows)), bp, jnp.dtype(dtype)
         )
-    val = x.val
-    if x.mask is not None:
-        val = lax.select(x.mask, lax.full_like(val, 0), val)
-    flat = jnp.zeros((size,), dtype)
+    flat = jnp.zeros((bp.val_size,), dtype)
     flat = flat.at[jnp.asarray(bp.positions)].set(
-        val.astype(dtype), unique_indices=True, mode="promise_in_bounds"
+        _unmasked(x.val, x.mask).astype(dtype),
+        unique_indices=True,
+        mode="promise_in_bounds",
     )
-    return BandTensor(flat.reshape(len(bp.offsets), n_rows), bp, jnp.dtype(dtype))
+    return BandTensor(flat.reshape(n_diag, n_rows), bp, jnp.dtype(dtype))
 
 
 def to_coo(x: BandTensor) -> CooTensor:
     """`x` as exact coordinates (one gather)."""
     bp = x.pattern
-    flat = x.val.reshape(-1)
-    idx = jnp.asarray(bp.positions.reshape(-1, 1).astype(np.int32))
-    dnums = lax.GatherDimensionNumbers(
-        offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,)
-    )
-    val = lax.gather(
-        flat,
-        idx,
-        dnums,
-        (1,),
-        indices_are_sorted=bool(np.all(np.diff(bp.positions) >= 0)),
-        mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
-    )
-    return CooTensor(val, bp.exact, x.dtype)
+    return CooTensor(_take_last(x.val.reshape(-1), bp.positions), bp.exact, x.dtype)
 
 
 #
@@ -229,14 +211,12 @@ def to_coo(x: BandTensor) -> CooTensor:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BandProductPlan:
-    pattern: Any  # the BandPattern of the result, or its CooPattern when not banded
-    kind: str
+    pattern: Any  # the result's BandPattern (Any: plans are read generically)
     muls: int
-    has_val: bool
     band_a: BandPattern
     band_b: BandPattern
-    result: BandPattern  # the result as a band (converted when `pattern` is not)
     terms: tuple[tuple[int, int, int], ...]  # (diagonal of A, of B, of the result)
+    has_val = True
 
 
 def _operands(pa: Any, pb: Any) -> tuple[BandPattern | None, BandPattern | None]:
@@ -285,7 +265,7 @@ def band_product_plan(pa: Any, pb: Any) -> BandProductPlan | None:
             if kc is not None:
                 terms.append((ka, kb, kc))
     muls = len(terms) * ba.n_rows
-    return BandProductPlan(result, "band", muls, True, ba, bb, result, tuple(terms))
+    return BandProductPlan(result, muls, ba, bb, tuple(terms))
 
 
 def _shifted_rows(val: Array, shift: int, n: int) -> Array:
@@ -314,8 +294,8 @@ def band_product(a, b, plan: BandProductPlan, dtype):
     ta = to_band(a, plan.band_a, dtype)
     tb = to_band(b, plan.band_b, dtype)
     va, vb = ta.val.astype(dtype), tb.val.astype(dtype)
-    n = plan.result.n_rows
-    n_c = len(plan.result.offsets)
+    n = plan.pattern.n_rows
+    n_c = len(plan.pattern.offsets)
     kbs = [kb for _, kb, _ in plan.terms]
     kcs = [kc for _, _, kc in plan.terms]
     if len(plan.band_a.offsets) == 1 and _contiguous(kbs) and _contiguous(kcs):
@@ -336,20 +316,19 @@ def band_product(a, b, plan: BandProductPlan, dtype):
     # Slots off the exact pattern stay exactly zero, as coordinates would leave them
     # (a term reaches them only through a zero slot of an operand, which is not a
     # zero against an infinite partial).
-    mask = plan.result.stored
+    mask = plan.pattern.stored
     if not mask.all():
         val = jnp.where(jnp.asarray(mask), val, jnp.zeros((), dtype))
-    return BandTensor(val, plan.result, jnp.dtype(dtype))
+    return BandTensor(val, plan.pattern, jnp.dtype(dtype))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BandSumPlan:
-    pattern: Any
+    pattern: Any  # the result's BandPattern (Any: plans are read generically)
     adds: int
-    has_val: bool
     band_a: BandPattern
     band_b: BandPattern
-    result: BandPattern
+    has_val = True
 
 
 @functools.lru_cache(maxsize=4096)
@@ -362,15 +341,15 @@ def band_sum_plan(pa: Any, pb: Any) -> BandSumPlan | None:
     ba, bb, result = found
     assert set(result.offsets) == set(ba.offsets) | set(bb.offsets)
     adds = len(set(ba.offsets) & set(bb.offsets)) * ba.n_rows
-    return BandSumPlan(result, adds, True, ba, bb, result)
+    return BandSumPlan(result, adds, ba, bb)
 
 
 def band_add(a, b, plan: BandSumPlan, dtype):
     ta = to_band(a, plan.band_a, dtype)
     tb = to_band(b, plan.band_b, dtype)
-    n = plan.result.n_rows
-    n_c = len(plan.result.offsets)
-    index = {d: k for k, d in enumerate(plan.result.offsets)}
+    n = plan.pattern.n_rows
+    n_c = len(plan.pattern.offsets)
+    index = {d: k for k, d in enumerate(plan.pattern.offsets)}
     at_a = [index[d] for d in plan.band_a.offsets]
     at_b = [index[d] for d in plan.band_b.offsets]
     va, vb = ta.val.astype(dtype), tb.val.astype(dtype)
@@ -389,4 +368,4 @@ def band_add(a, b, plan: BandSumPlan, dtype):
             else:
                 rows.append(xa if xb is None else xa + xb)
         val = jnp.stack(rows)
-    return BandTensor(val, plan.result, jnp.dtype(dtype))
+    return BandTensor(val, plan.pattern, jnp.dtype(dtype))

@@ -225,12 +225,20 @@ def test_time_objective_and_measure():
     assert_tree_matches(jac, jax.jacfwd(_small)(x))
 
 
-def test_save_and_load_round_trip(tmp_path):
+def _saved_and_loaded(tmp_path, max_evals):
+    """Search `_small`, save the result, load it back: (x, search result, path,
+    loaded order)."""
     x = jnp.array([0.3, -0.2, 0.5])
-    found = gx.search_order(_small, budget_s=60.0, max_evals=100, progress=False)(x)
+    found = gx.search_order(_small, budget_s=60.0, max_evals=max_evals, progress=False)(
+        x
+    )
     path = tmp_path / "order.json"
     found.save(path)
-    loaded = gx.load_order(path)
+    return x, found, path, gx.load_order(path)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    x, found, path, loaded = _saved_and_loaded(tmp_path, 100)
     assert loaded == found.order
     assert json.loads(path.read_text())["num_muls"] == found.cost.num_muls
     jac = jax.jit(gx.jacve(_small, order=loaded))(x)
@@ -240,11 +248,7 @@ def test_save_and_load_round_trip(tmp_path):
 
 
 def test_loaded_order_on_another_graph_is_refused(tmp_path):
-    x = jnp.array([0.3, -0.2, 0.5])
-    found = gx.search_order(_small, budget_s=60.0, max_evals=50, progress=False)(x)
-    path = tmp_path / "order.json"
-    found.save(path)
-    loaded = gx.load_order(path)
+    x, found, path, loaded = _saved_and_loaded(tmp_path, 50)
 
     def changed(x):
         # The same vertices and edges, one primitive differs.
