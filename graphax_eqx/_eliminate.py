@@ -80,6 +80,14 @@ def written(edge) -> int:
     return p.val_size
 
 
+def structurally_zero(edge) -> bool:
+    """Whether a partial (or its `SimEdge`) has no structural nonzeros: static
+    coordinates with no entries, as where index maps select disjoint parts. Such a
+    product is no edge at all: it is dropped rather than stored and added."""
+    p = edge.pattern
+    return isinstance(p, CooPattern) and p.nnz == 0
+
+
 def eliminate_vertex(graph: EdgeGraph, v: int, mul: Mul, plus: Mul) -> tuple[int, int]:
     """Eliminate `v` in place; returns (multiplications, additions)."""
     ins = graph.pred.pop(v)
@@ -93,6 +101,8 @@ def eliminate_vertex(graph: EdgeGraph, v: int, mul: Mul, plus: Mul) -> tuple[int
         for w, e_vw in outs.items():
             edge, m = mul(e_vw, e_uv)
             muls += m
+            if structurally_zero(edge):
+                continue
             old = graph.succ[u].get(w)
             if old is not None:
                 edge, a = plus(old, edge)

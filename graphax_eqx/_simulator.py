@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from ._eliminate import SimEdge, sim_add, sim_product, written
+from ._eliminate import SimEdge, sim_add, sim_product, structurally_zero, written
 from ._graph import EdgeGraph
 
 
@@ -77,6 +77,7 @@ class Simulator:
         self._edges: list[SimEdge] = []
         self._ids: dict[SimEdge, int] = {}
         self._written: list[int] = []
+        self._zero: list[bool] = []
         self._prod: dict[int, tuple[int, int]] = {}
         self._sum: dict[int, tuple[int, int]] = {}
         n = len(self.vertices)
@@ -102,6 +103,7 @@ class Simulator:
             self._ids[edge] = k
             self._edges.append(edge)
             self._written.append(written(edge))
+            self._zero.append(structurally_zero(edge))
         return k
 
     def _product(self, a: int, b: int) -> tuple[int, int]:
@@ -160,6 +162,7 @@ class Simulator:
         for w in outs:
             del pred[w][i]
         prod, sums, add, wr = self._prod, self._sum, self._add, self._written
+        zero = self._zero
         muls = adds = traffic = fill = 0
         outs_items = list(outs.items())
         for u, b in ins.items():
@@ -170,6 +173,8 @@ class Simulator:
                     found = self._product(a, b)
                 c, m = found
                 muls += m
+                if zero[c]:
+                    continue
                 traffic += wr[c]
                 old = su.get(w)
                 if old is not None:
@@ -207,8 +212,10 @@ class Simulator:
             su = succ[u]
             for w, a in outs:
                 if w not in su:
-                    new += 1
-                    entries += self._written[self._product(a, b)[0]]
+                    c = self._product(a, b)[0]
+                    if not self._zero[c]:
+                        new += 1
+                        entries += self._written[c]
         return new, entries
 
     # -- whole orders -----------------------------------------------------------
@@ -239,7 +246,7 @@ class Simulator:
         if state is None:
             state = self._initial.copy()
         pred, succ = state.pred, state.succ
-        prod, sums = self._prod, self._sum
+        prod, sums, zero = self._prod, self._sum, self._zero
         total = 0
         for i in order:
             ins = pred[i]
@@ -259,6 +266,8 @@ class Simulator:
                     except KeyError:
                         c, m = self._product(a, b)
                     total += m
+                    if zero[c]:
+                        continue
                     old = su.get(w)
                     if old is not None:
                         try:
