@@ -731,3 +731,47 @@ _PAIR_CASES = [
 @pytest.mark.parametrize("fun, build, argnums", _PAIR_CASES)
 def test_several_arguments(fun, build, argnums, order, sparse):
     _check(fun, build, argnums, order, sparse)
+
+
+# --------------------------------------------------------------------------------------
+# Structurally zero products
+# --------------------------------------------------------------------------------------
+
+
+def _sin_cos_halves(x):
+    # The slice after the concatenate reads only the `sin` half: the `cos` half's
+    # placement times that slice has no entries.
+    y = jnp.concatenate([jnp.sin(x[:2]), jnp.cos(x[2:])])
+    return y[:2] * 3.0
+
+
+def test_disjoint_index_maps_leave_no_edge():
+    from graphax_eqx._eliminate import eliminate_vertex, sim_add, sim_product
+    from graphax_eqx._simulator import Simulator
+
+    x = jnp.arange(1.0, 5.0)
+    graph = graphax_eqx.make_graph(_sin_cos_halves)(x)
+    by_primitive = {v.primitive: v.id for v in graph.vertices}
+    concat, sin, cos = (by_primitive[p] for p in ("concatenate", "sin", "cos"))
+    (head,) = graph._sim.succ[concat]  # the slice after the concatenate
+
+    # The pattern simulator and the shared elimination loop agree: eliminating the
+    # concatenate links `sin` to the slice and leaves `cos` without a successor.
+    sim = Simulator(graph._sim, graph.intermediates)
+    state = sim.start()
+    sim.eliminate(state, sim.index[concat])
+    assert set(state.succ[sim.index[sin]]) == {sim.index[head]}
+    assert state.succ[sim.index[cos]] == {}
+    edges = graph._sim.copy_with(lambda e: e)
+    eliminate_vertex(edges, concat, sim_product, sim_add)
+    assert set(edges.succ[sin]) == {head}
+    assert edges.succ[cos] == {}
+
+    # Every order still gives jacfwd's Jacobian, with the counts the simulator says.
+    expected = jax.jacfwd(_sin_cos_halves)(x)
+    for order in ("fwd", "rev", "markowitz", "min_fill"):
+        jac, counts = graphax_eqx.jacve(_sin_cos_halves, order=order, count_ops=True)(x)
+        np.testing.assert_allclose(jac, expected, rtol=1e-6)
+        cost = graphax_eqx.elimination_cost(_sin_cos_halves, order=order)(x)
+        assert counts["num_muls"] == cost.num_muls
+        assert counts["num_adds"] == cost.num_adds
