@@ -11,8 +11,10 @@ array out, a large and sparse Jacobian), one run measures five Jacobian programs
   separately as asdex's preparation;
 - `jax.jacfwd` and `jax.jacrev`, jitted.
 
-For each it reports the runtime (median of interleaved repetitions: every repetition
-runs all methods, in an order rotated each time, after one warm-up call), the first
+For each it reports the runtime (median of interleaved repetitions after one warm-up
+call: every repetition runs the methods compared with each other, in an order rotated
+each time; sparse jacve and asdex are timed together, then dense jacve, `jax.jacfwd`
+and `jax.jacrev`), the first
 call (trace, compile and first run; the lowering part in parentheses), the memory XLA
 plans for the compiled program (temporaries plus outputs), and for the two sparse
 methods the number of stored (structural) nonzeros. A method whose compiled program
@@ -102,7 +104,8 @@ class Settings:
     small: bool
     repeats: int
     min_repeats: int
-    # Wall-clock budget of the interleaved timing loop of one task, in seconds.
+    # Wall-clock budget of one interleaved timing loop (a group of compared methods
+    # on one task), in seconds.
     time_budget: float
     # A method whose first call, or any timed call, exceeds this is skipped.
     skip_after: float
@@ -372,13 +375,38 @@ def _check(
             _log(f"  !!! {method} is WRONG on {result.task.name}: {message} !!!")
 
 
+# Methods timed against each other. Each group's repetitions are interleaved; the
+# groups run one after the other, so that the multi-gigabyte dense calls do not leave
+# the sub-millisecond sparse ones to cold caches and freshly mapped memory.
+GROUPS = ((JACVE_SPARSE, ASDEX), (JACVE_DENSE, JACFWD, JACREV))
+
+
 def _time_methods(
     result: SparseResult,
     programs: dict[str, Any],
     x: jax.Array,
     settings: Settings,
 ) -> None:
-    timed = [method for method in METHODS if method in programs]
+    reps = []
+    for group in GROUPS:
+        timed = [method for method in group if method in programs]
+        if timed:
+            reps.append(_time_group(result, timed, programs, x, settings))
+    line = ", ".join(
+        f"{m} {_fmt_time(result.median.get(m))}" for m in METHODS if m in result.median
+    )
+    _log(f"  {'/'.join(str(r) for r in reps)} reps: {line}")
+
+
+def _time_group(
+    result: SparseResult,
+    timed: list[str],
+    programs: dict[str, Any],
+    x: jax.Array,
+    settings: Settings,
+) -> int:
+    """Time the methods of one group with interleaved repetitions; returns the
+    number of repetitions."""
 
     def call(method: str) -> float:
         start = time.perf_counter()
@@ -410,12 +438,11 @@ def _time_methods(
             if method in timed:
                 samples[method].append(seconds)
         repeats += 1
-    for method in timed:
-        if samples[method]:
+    for method in samples:
+        if samples[method] and method in timed:
             result.median[method] = statistics.median(samples[method])
             result.repeats[method] = len(samples[method])
-    line = ", ".join(f"{m} {_fmt_time(result.median.get(m))}" for m in timed)
-    _log(f"  {repeats} reps: {line}")
+    return repeats
 
 
 # ---------------------------------------------------------------------------
@@ -587,9 +614,12 @@ def render_header(settings: Settings, command: str, elapsed: float | None) -> st
     lines.append(
         f"All arithmetic is {jnp.dtype(DTYPE).name}"
         + (", at the small test sizes" if settings.small else "")
-        + ". Runtimes are medians after one warm-up call, the repetitions of all "
-        "methods interleaved (order rotated every repetition), up to "
-        f"{settings.repeats} repetitions or {settings.time_budget:.0f} s per task. "
+        + ". Runtimes are medians after one warm-up call. The repetitions of the "
+        "methods compared with each other are interleaved (order rotated every "
+        "repetition): sparse jacve with asdex, then dense jacve with `jax.jacfwd` "
+        "and `jax.jacrev`, so the multi-gigabyte dense calls do not disturb the "
+        f"sparse ones; up to {settings.repeats} repetitions or "
+        f"{settings.time_budget:.0f} s per group and task. "
         f"A method is skipped when its compiled program plans more than "
         f"{settings.memory_limit / 1024**3:.1f} GiB, or when its first call or any "
         f"timed call takes more than {settings.skip_after:g} s. nnz counts the stored "
@@ -675,7 +705,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--time-budget",
         type=float,
         default=30.0,
-        help="seconds of timing per task; at least 3 repetitions (default: 30)",
+        help="seconds of timing per group of compared methods and task; at least 3 "
+        "repetitions (default: 30)",
     )
     parser.add_argument(
         "--skip-after",
