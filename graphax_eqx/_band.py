@@ -33,8 +33,6 @@ from ._indexed import (
     CooPattern,
     CooTensor,
     _take_last,
-    coo_product_plan,
-    coo_sum_plan,
 )
 from ._sparse import BlockShape, Pattern, SparseTensor, _broadcast_val
 
@@ -127,8 +125,15 @@ def _banded(exact: CooPattern, relaxed: bool = False) -> BandPattern | None:
         return None
     if exact.nnz == 0:
         return None
+    return _band_if_worth(exact, np.unique(exact.cols - exact.rows), relaxed)
+
+
+def _band_if_worth(
+    exact: CooPattern, offsets, relaxed: bool = False
+) -> BandPattern | None:
+    """`exact` on the diagonals `offsets` as a band, if they are few and, unless
+    `relaxed`, the band has enough rows and is full enough."""
     n_rows = math.prod(exact.out_shape)
-    offsets = np.unique(exact.cols - exact.rows)
     if len(offsets) > BAND_MAX_OFFSETS:
         return None
     if not relaxed and (
@@ -236,13 +241,60 @@ def unbanded(pa: Any, a_val: bool, pb: Any, b_val: bool):
     return pa, a_val, pb, b_val
 
 
-def _banded_result(pa: Any, pb: Any, coo_plan):
+def _shifted_mask(mask: np.ndarray, shift: int, n: int) -> np.ndarray:
+    """`mask[:, shift + r]` for `r` in `0..n-1`, `False` where out of range."""
+    out = np.zeros((mask.shape[0], n), bool)
+    lo, hi = max(0, -shift), min(n, mask.shape[1] - shift)
+    if lo < hi:
+        out[:, lo:hi] = mask[:, lo + shift : hi + shift]
+    return out
+
+
+def _from_diagonals(
+    out_shape, in_shape, stored: dict[int, np.ndarray]
+) -> BandPattern | None:
+    """The band whose entries are `(r, r + d)` where `stored[d][r]`, if it is worth
+    one (`_band_if_worth`). Its coordinates come in the order coordinate plans
+    produce (ascending row, then column)."""
+    offsets = sorted(d for d, m in stored.items() if m.any())
+    if not offsets:
+        return None
+    rows, k = np.nonzero(np.stack([stored[d] for d in offsets]).T)
+    cols = rows + np.asarray(offsets, np.int64)[k]
+    exact = CooPattern(out_shape, in_shape, (), (), rows, cols)
+    return _band_if_worth(exact, offsets)
+
+
+def _product_band(ba: BandPattern, bb: BandPattern) -> BandPattern | None:
+    """The band of `A · B`, from the operands' stored slots (the coordinates
+    `coo_product_plan` would find, without joining coordinate lists)."""
+    n = ba.n_rows
+    stored: dict[int, np.ndarray] = {}
+    for ka, da in enumerate(ba.offsets):
+        hit = ba.stored[ka][None, :] & _shifted_mask(bb.stored, da, n)
+        for kb, db in enumerate(bb.offsets):
+            d = da + db
+            stored[d] = hit[kb] if d not in stored else stored[d] | hit[kb]
+    return _from_diagonals(ba.out_shape, bb.in_shape, stored)
+
+
+def _sum_band(ba: BandPattern, bb: BandPattern) -> BandPattern | None:
+    """The band of `A + B`: the union of the operands' entries."""
+    stored: dict[int, np.ndarray] = {}
+    for band in (ba, bb):
+        for k, d in enumerate(band.offsets):
+            m = band.stored[k]
+            stored[d] = m if d not in stored else stored[d] | m
+    return _from_diagonals(ba.out_shape, ba.in_shape, stored)
+
+
+def _banded_result(pa: Any, pb: Any, band_of_result):
     """`(A's band, B's band, the result's band)` if all three are bands, else
-    `None`; `coo_plan` plans the exact coordinates of the result."""
+    `None`; `band_of_result(A's band, B's band)` gives the result's band or `None`."""
     ba, bb = _operands(pa, pb)
     if ba is None or bb is None:
         return None
-    result = _banded(coo_plan(ba.exact, bb.exact, True, True).coo)
+    result = band_of_result(ba, bb)
     if result is None:
         return None
     return ba, bb, result
@@ -252,7 +304,7 @@ def _banded_result(pa: Any, pb: Any, coo_plan):
 def band_product_plan(pa: Any, pb: Any) -> BandProductPlan | None:
     """Plan `A · B` on bands, if both operands convert to bands and so does the
     result."""
-    found = _banded_result(pa, pb, coo_product_plan)
+    found = _banded_result(pa, pb, _product_band)
     if found is None:
         return None
     ba, bb, result = found
@@ -335,7 +387,7 @@ class BandSumPlan:
 def band_sum_plan(pa: Any, pb: Any) -> BandSumPlan | None:
     """Plan `A + B` on bands, if both operands convert to bands and so does the
     result."""
-    found = _banded_result(pa, pb, coo_sum_plan)
+    found = _banded_result(pa, pb, _sum_band)
     if found is None:
         return None
     ba, bb, result = found
