@@ -368,11 +368,20 @@ def _machine() -> dict[str, str]:
     }
 
 
-def _time_candidates(fun, argnums, has_aux, args, kwargs, orders, repeats_s=1.0):
+def _time_candidates(
+    fun, argnums, has_aux, args, kwargs, orders, sparse: bool, repeats_s=1.0
+):
     """Median run time of `jax.jit(jacve(fun, order))` per order, interleaved."""
     fns = {}
     for label, order in orders.items():
-        f = jax.jit(jacve(fun, order=tuple(order), argnums=argnums, has_aux=has_aux))
+        jac = jacve(
+            fun,
+            order=tuple(order),
+            argnums=argnums,
+            has_aux=has_aux,
+            sparse_representation=sparse,
+        )
+        f = jax.jit(jac)
         jax.block_until_ready(f(*args, **kwargs))
         jax.block_until_ready(f(*args, **kwargs))
         fns[label] = f
@@ -399,6 +408,7 @@ def search_order(
     seed: int = 0,
     progress: bool = True,
     measure: bool = False,
+    sparse_representation: bool = False,
     max_evals: int | None = None,
 ) -> Callable[..., OrderSearch]:
     """Search for a cheap elimination order of `fun`'s graph.
@@ -424,8 +434,12 @@ def search_order(
         at the same point on any machine.
     - `progress`: show a progress bar with the best cost so far.
     - `measure`: with `objective="time"`, also compile and time the best few orders
-        (and fwd / rev / markowitz) with `jax.jit` on the given arguments, and return
-        the fastest. The result records the timings and the machine.
+        and every named order with `jax.jit` on the given arguments, and return the
+        fastest. The result records the timings and the machine.
+    - `sparse_representation`: with `measure=True`, time the Jacobian in this layout,
+        as [`graphax_eqx.jacve`][] will return it. Pass `True` when you will use
+        structured sparse results: writing a large dense Jacobian can take far
+        longer than computing it and would hide the differences between orders.
     - `max_evals`: stop after this many scored orders.
 
     **Returns:**
@@ -468,7 +482,15 @@ def search_order(
 
     def run(*args, **kwargs) -> OrderSearch:
         pat = _patterns(fun, argnums, has_aux, args, kwargs, "search_order")
-        settings = _Settings(budget_s, objective, seed, progress, measure, max_evals)
+        settings = _Settings(
+            budget_s,
+            objective,
+            seed,
+            progress,
+            measure,
+            bool(sparse_representation),
+            max_evals,
+        )
         return _search(fun, argnums, has_aux, args, kwargs, pat, settings)
 
     return run
@@ -481,6 +503,7 @@ class _Settings:
     seed: int
     progress: bool
     measure: bool
+    sparse: bool
     max_evals: int | None
 
 
@@ -628,15 +651,17 @@ def _search(fun, argnums, has_aux, args, kwargs, pat: _Patterns, settings: _Sett
     measured = machine = None
     if settings.measure:
         orders = {"searched": best_ids}
-        for name in ("fwd", "rev", "markowitz", "auto"):
-            orders.setdefault(name, named[name])
+        for name, ids in named.items():
+            orders.setdefault(name, ids)
         k = 0
         for _, o in sorted(pool, reverse=True):
             ids = [sim.vertices[i] for i in o]
             if ids not in orders.values():
                 k += 1
                 orders[f"candidate {k}"] = ids
-        measured = _time_candidates(fun, argnums, has_aux, args, kwargs, orders)
+        measured = _time_candidates(
+            fun, argnums, has_aux, args, kwargs, orders, settings.sparse
+        )
         machine = _machine()
         fastest = min(measured, key=measured.__getitem__)
         best_ids = orders[fastest]

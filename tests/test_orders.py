@@ -10,6 +10,7 @@ import pytest
 
 import graphax_eqx as gx
 from benchmarks import tasks as task_registry
+from graphax_eqx import _search
 from graphax_eqx._orders import AUTO_MARGIN, graph_fingerprint
 from graphax_eqx._simulator import Simulator
 
@@ -223,6 +224,38 @@ def test_time_objective_and_measure():
     assert found.machine is not None and found.machine["jax"] == jax.__version__
     jac = gx.jacve(_small, order=found.order)(x)
     assert_tree_matches(jac, jax.jacfwd(_small)(x))
+
+
+def test_measure_times_the_sparse_layout(monkeypatch):
+    # With `sparse_representation=True` the candidates run as structured results,
+    # the layout the order is searched for; every named order is among them.
+    layouts = []
+    original = gx.jacve
+
+    def recording(*args, sparse_representation=False, **kwargs):
+        layouts.append(sparse_representation)
+        return original(*args, sparse_representation=sparse_representation, **kwargs)
+
+    monkeypatch.setattr(_search, "jacve", recording)
+    x = jnp.linspace(0.1, 1.0, 40)
+
+    def stencil(u):
+        return jnp.sin(u[2:] - 2.0 * u[1:-1] + u[:-2])
+
+    found = gx.search_order(
+        stencil,
+        budget_s=60.0,
+        max_evals=50,
+        objective="time",
+        measure=True,
+        sparse_representation=True,
+        progress=False,
+    )(x)
+    assert layouts and all(layouts)
+    names = ("fwd", "rev", "markowitz", "relative_markowitz", "min_fill", "auto")
+    assert found.measured is not None and set(names) <= set(found.measured)
+    jac = gx.jacve(stencil, order=found.order, sparse_representation=True)(x)
+    assert_tree_matches(jac.dense(), jax.jacfwd(stencil)(x))
 
 
 def _saved_and_loaded(tmp_path, max_evals):
