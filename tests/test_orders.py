@@ -208,16 +208,22 @@ def test_search_progress_bar(capsys):
     assert "search_order" in err and "best muls=" in err
 
 
-def test_time_objective_and_measure():
-    x = jnp.array([0.3, -0.2, 0.5])
-    found = gx.search_order(
-        _small,
+def _measured_search(fun, x, max_evals, **options):
+    """`search_order` by the time objective, timing its candidates."""
+    return gx.search_order(
+        fun,
         budget_s=60.0,
-        max_evals=100,
+        max_evals=max_evals,
         objective="time",
         measure=True,
         progress=False,
+        **options,
     )(x)
+
+
+def test_time_objective_and_measure():
+    x = jnp.array([0.3, -0.2, 0.5])
+    found = _measured_search(_small, x, 100)
     assert found.objective == "time"
     assert found.measured is not None and "searched" in found.measured
     assert found.measured[min(found.measured, key=found.measured.__getitem__)] > 0
@@ -242,15 +248,7 @@ def test_measure_times_the_sparse_layout(monkeypatch):
     def stencil(u):
         return jnp.sin(u[2:] - 2.0 * u[1:-1] + u[:-2])
 
-    found = gx.search_order(
-        stencil,
-        budget_s=60.0,
-        max_evals=50,
-        objective="time",
-        measure=True,
-        sparse_representation=True,
-        progress=False,
-    )(x)
+    found = _measured_search(stencil, x, 50, sparse_representation=True)
     assert layouts and all(layouts)
     names = ("fwd", "rev", "markowitz", "relative_markowitz", "min_fill", "auto")
     assert found.measured is not None and set(names) <= set(found.measured)
