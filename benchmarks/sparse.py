@@ -14,12 +14,12 @@ array out, a large and sparse Jacobian), one run measures five Jacobian programs
 For each it reports the runtime (median of interleaved repetitions after one warm-up
 call: every repetition runs the methods compared with each other, in an order rotated
 each time; sparse jacve and asdex are timed together, then dense jacve, `jax.jacfwd`
-and `jax.jacrev`), the first
-call (trace, compile and first run; the lowering part in parentheses), the memory XLA
-plans for the compiled program (temporaries plus outputs), and for the two sparse
-methods the number of stored (structural) nonzeros. A method whose compiled program
-would need more memory than `--memory-limit`, or whose first call or any later call
-takes longer than `--skip-after` seconds, is reported as skipped.
+and `jax.jacrev`), the first call (trace, compile and first run; the lowering part in
+parentheses), the memory XLA plans for the compiled program (temporaries plus
+outputs), and for the two sparse methods the number of stored (structural) nonzeros.
+A method whose compiled program would need more memory than `--memory-limit`, or whose
+first call or any later call takes longer than `--skip-after` seconds, is reported as
+skipped.
 
 Every result is checked against `jax.jacfwd` (against asdex, then `jax.jacrev`, when
 `jax.jacfwd` was skipped). Up to `DENSE_CHECK_ENTRIES` Jacobian entries the dense

@@ -650,9 +650,7 @@ def _search(fun, argnums, has_aux, args, kwargs, pat: _Patterns, settings: _Sett
     best_ids = [sim.vertices[i] for i in best]
     measured = machine = None
     if settings.measure:
-        orders = {"searched": best_ids}
-        for name, ids in named.items():
-            orders.setdefault(name, ids)
+        orders = {"searched": best_ids, **named}
         k = 0
         for _, o in sorted(pool, reverse=True):
             ids = [sim.vertices[i] for i in o]
