@@ -14,6 +14,7 @@ result whose density passes `DENSE_FRACTION` is stored densely instead.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -737,6 +738,71 @@ def _unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ordered[first], inverse
 
 
+#
+# Sums kept as the gathers they are made of.
+#
+# A sum of coordinate partials gathers each operand's values into the union of their
+# entries. Sums that feed sums (reverse mode adding a stencil's terms one at a time)
+# would gather a gather of a gather...: XLA fuses such a chain into one kernel that
+# chases indices through every level for each entry, several times slower than
+# gathering each term once (benchmarks/NOTES.md). So while an elimination runs, the
+# value array of a sum is remembered with the gathers it adds up, and a sum that
+# takes it as an operand gathers those bases directly, through indices composed at
+# trace time. Products still gather the sum as it is: its value is computed once and
+# may feed several of them. Sums of more than `MAX_SUM_TERMS` terms, and short
+# coordinate lists (fewer than `MIN_FLAT_NNZ` entries, such as a few entries per
+# tied row of a batch, where XLA handles the chain well) are gathered as they are.
+
+MAX_SUM_TERMS = 8
+MIN_FLAT_NNZ = 64
+
+# id(value array) -> (the array itself, its terms). A term `(base, index)` stands for
+# `base[..., index]`, where an index equal to `base.shape[-1]` selects a zero.
+_SUM_TERMS: dict[int, tuple[Array, tuple[tuple[Array, np.ndarray], ...]]] = {}
+_SCOPES = [0]
+
+
+@contextlib.contextmanager
+def sums_as_gathers():
+    """Within this context, sums of coordinate partials remember their terms."""
+    _SCOPES[0] += 1
+    try:
+        yield
+    finally:
+        _SCOPES[0] -= 1
+        if not _SCOPES[0]:
+            _SUM_TERMS.clear()
+
+
+def _terms_of(x: Array) -> tuple[tuple[Array, np.ndarray], ...]:
+    entry = _SUM_TERMS.get(id(x))
+    if entry is not None and entry[0] is x:
+        return entry[1]
+    return ((x, np.arange(x.shape[-1])),)
+
+
+def _gathered_terms(x: Array, idx: np.ndarray) -> tuple[tuple[Array, np.ndarray], ...]:
+    """The terms of `x[..., idx]` (`idx == x.shape[-1]` selecting a zero)."""
+    out = []
+    for base, index in _terms_of(x):
+        out.append((base, np.append(index, base.shape[-1])[idx]))
+    return tuple(out)
+
+
+def _emit_terms(terms: tuple[tuple[Array, np.ndarray], ...]) -> Array:
+    total = None
+    for base, index in terms:
+        n = base.shape[-1]
+        if np.any(index == n):
+            base = jnp.concatenate(
+                [base, jnp.zeros(base.shape[:-1] + (1,), base.dtype)], -1
+            )
+        part = _take_last(base, index)
+        total = part if total is None else lax.add(total, part)
+    assert total is not None
+    return total
+
+
 def coo_product(a: CooTensor, b: CooTensor, plan: CooProductPlan, dtype):
     p = plan.coo
     res_vary = tuple(p.tie_sizes[t] for t, v in enumerate(p.varying) if v)
@@ -875,22 +941,35 @@ def coo_add(a: CooTensor, b: CooTensor, plan: CooSumPlan, dtype):
             val = jnp.asarray(plan.counts.astype(np.dtype(dtype)))
     else:
         terms = []
+        # Operands gathered into the result as they are (no broadcast), with the
+        # gathers they stand for (see `sums_as_gathers`).
+        gathered: list[tuple[Array, np.ndarray]] = []
+        composed: list[tuple[Array, np.ndarray]] = []
         for x, untie, pos, dims, n in (
             (a, plan.untie_a, plan.pos_a, plan.a_dims, plan.nnz_a),
             (b, plan.untie_b, plan.pos_b, plan.b_dims, plan.nnz_b),
         ):
             if x.val is None:
                 present = (pos < n).astype(np.dtype(dtype))
-                term = jnp.broadcast_to(jnp.asarray(present), shape)
-            else:
-                v = _cast(untie(x.val), dtype)
-                v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), dtype)], -1)
-                v = _take_last(v, pos)
-                if tuple(v.shape) != shape:
-                    v = lax.broadcast_in_dim(v, shape, tuple(dims) + (len(shape) - 1,))
-                term = v
-            terms.append(term)
-        val = lax.add(*terms)
+                terms.append(jnp.broadcast_to(jnp.asarray(present), shape))
+                continue
+            v = _cast(untie(x.val), dtype)
+            if tuple(v.shape[:-1]) == shape[:-1]:
+                gathered.append((v, pos))
+                if _SCOPES[0] and shape[-1] >= MIN_FLAT_NNZ:
+                    composed.extend(_gathered_terms(v, pos))
+                continue
+            v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), dtype)], -1)
+            v = _take_last(v, pos)
+            if tuple(v.shape) != shape:
+                v = lax.broadcast_in_dim(v, shape, tuple(dims) + (len(shape) - 1,))
+            terms.append(v)
+        flat = bool(composed) and len(composed) <= MAX_SUM_TERMS
+        if gathered:
+            terms.append(_emit_terms(tuple(composed if flat else gathered)))
+        val = terms[0] if len(terms) == 1 else lax.add(*terms)
+        if flat and len(terms) == 1:
+            _SUM_TERMS[id(val)] = (val, tuple(composed))
     out = CooTensor(val, p, jnp.dtype(dtype))
     if plan.densify:
         return to_labeled(out)

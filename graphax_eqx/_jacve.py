@@ -30,7 +30,7 @@ from ._graph import (
     inline,
     shaping_vars,
 )
-from ._indexed import CooTensor
+from ._indexed import CooTensor, sums_as_gathers
 from ._orders import normalise_order, resolve
 from ._sparse import LinearMap, SparseTensor, from_labeled, to_sparse
 
@@ -354,7 +354,8 @@ def _eliminate(prep: _Prepared, order_spec, known: frozenset[int] = frozenset())
         sim_graph = graph.copy_with(sim_edge)
         order = resolve(order_spec, sim_graph, structure)
         orders[order_spec] = order
-    muls, adds, per_vertex = run_order(graph, order, real_product, real_add)
+    with sums_as_gathers():
+        muls, adds, per_vertex = run_order(graph, order, real_product, real_add)
     counts = {
         "num_muls": int(muls),
         "num_adds": int(adds + adds0),

@@ -10,6 +10,7 @@ several differentiated arguments.
 import functools
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -775,3 +776,89 @@ def test_disjoint_index_maps_leave_no_edge():
         cost = graphax_eqx.elimination_cost(_sin_cos_halves, order=order)(x)
         assert counts["num_muls"] == cost.num_muls
         assert counts["num_adds"] == cost.num_adds
+
+
+# --------------------------------------------------------------------------------------
+# Sums of sums gather their terms once
+# --------------------------------------------------------------------------------------
+
+
+def _periodic_laplacian(x):
+    # Reverse mode adds the five stencil terms of each species one at a time, each
+    # sum gathering the previous one: the chains `sums_as_gathers` flattens.
+    u, v = x[0], x[1]
+    lap = (
+        jnp.roll(u, 1, 0)
+        + jnp.roll(u, -1, 0)
+        + jnp.roll(u, 1, 1)
+        + jnp.roll(u, -1, 1)
+        - 4.0 * u
+    )
+    pad = jnp.pad(v[1:-1, 1:-1], 1)  # entries absent from the other terms
+    return jnp.stack([0.3 * lap - u * v**2, 0.2 * lap + jnp.sin(pad) * u])
+
+
+def _gather_depth(closed_jaxpr) -> int:
+    """The longest chain of `gather`s feeding each other in the live program."""
+    producer = {v: e for e in closed_jaxpr.jaxpr.eqns for v in e.outvars}
+    memo = {}
+
+    def depth(v):
+        e = producer.get(v) if isinstance(v, jex_core.Var) else None
+        if e is None:
+            return 0
+        if id(e) not in memo:
+            inner = max((depth(i) for i in e.invars), default=0)
+            memo[id(e)] = inner + (e.primitive.name == "gather")
+        return memo[id(e)]
+
+    return max(depth(v) for v in closed_jaxpr.jaxpr.outvars)
+
+
+@pytest.mark.parametrize("max_terms", [0, 2, 8])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("order", ("fwd", "rev", "markowitz", "min_fill"))
+def test_chained_sums(order, sparse, max_terms, monkeypatch):
+    from graphax_eqx import _indexed
+
+    # Every sum qualifies at this size; `max_terms` 0 turns flattening off and 2
+    # makes most chains overflow into plain gathers.
+    monkeypatch.setattr(_indexed, "MIN_FLAT_NNZ", 0)
+    monkeypatch.setattr(_indexed, "MAX_SUM_TERMS", max_terms)
+    x = _uniform((2, 6, 7))
+    expected = jax.jacfwd(_periodic_laplacian)(x)
+    jac = graphax_eqx.jacve(
+        _periodic_laplacian, order=order, sparse_representation=sparse
+    )(x)
+    _assert_close(jac.dense() if sparse else jac, expected)
+    # Nothing is kept once the elimination is done.
+    assert not _indexed._SUM_TERMS
+
+
+def test_chained_sums_are_flattened(monkeypatch):
+    from graphax_eqx import _indexed
+
+    monkeypatch.setattr(_indexed, "MIN_FLAT_NNZ", 0)
+    x = _uniform((2, 6, 7))
+    depth = {}
+    for max_terms in (0, 8):
+        monkeypatch.setattr(_indexed, "MAX_SUM_TERMS", max_terms)
+        fn = graphax_eqx.jacve(
+            _periodic_laplacian, order="rev", sparse_representation=True
+        )
+        depth[max_terms] = _gather_depth(jax.make_jaxpr(fn)(x))
+    # Reverse mode chains one gather per added term without flattening.
+    assert depth[8] < depth[0] - 2, depth
+
+
+def test_chained_sums_nested_and_under_jit():
+    from graphax_eqx import _indexed
+
+    x = _uniform((2, 6, 7))
+
+    def total(y):
+        return jnp.sum(_periodic_laplacian(y) ** 2)
+
+    hess = jax.jit(graphax_eqx.jacve(graphax_eqx.jacve(total, order="rev")))(x)
+    _assert_close(hess, jax.hessian(total)(x))
+    assert not _indexed._SUM_TERMS
