@@ -169,7 +169,15 @@ class _Objective:
 
     The current order's states are saved every `block` eliminations, so a candidate
     that differs from it only from position `p` on replays only from the checkpoint
-    at or before `p`.
+    at or before `p`. The graph left after eliminating a set of vertices does not
+    depend on the order they were eliminated in (an edge `u → w` is the sum over the
+    paths from `u` to `w` through the set). So when a candidate differs from the
+    current order only in positions `p..q`, a permutation of the same vertices, its
+    replay stops at the first checkpoint past `q` whose state equals the current
+    one's, and the rest of its cost is the current order's: moves that change a few
+    nearby positions cost a few eliminations. The states are compared, not assumed
+    equal, so scores stay exact even where a pattern depends on the order (a product
+    stored densely past a size threshold, say).
     """
 
     def __init__(self, sim: Simulator, objective: str, block: int = 8):
@@ -179,6 +187,7 @@ class _Objective:
         self.evaluations = 0
         self.current: list[int] = []
         self.checkpoints: list[tuple[State, Any]] = []
+        self.total: Any = None
         self.value = math.inf
 
     def _run(self, order: Sequence[int], state: State, acc):
@@ -198,6 +207,12 @@ class _Objective:
     def _zero(self):
         return 0 if self.objective == "muls" else (0, 0, 0, 0, 0)
 
+    def _shift(self, acc, new, old):
+        """`acc + new - old`, for either kind of accumulator."""
+        if self.objective == "muls":
+            return acc + new - old
+        return tuple(a + n - o for a, n, o in zip(acc, new, old, strict=True))
+
     def _score(self, acc) -> float:
         if self.objective == "muls":
             return float(acc)
@@ -208,32 +223,69 @@ class _Objective:
         self.evaluations += 1
         return self._score(self._run(order, self.sim.start(), self._zero()))
 
-    def set_current(self, order: list[int], start: int = 0) -> float:
-        """Make `order` current, rebuilding checkpoints from position `start` on."""
-        k = min(start // self.block, len(self.checkpoints) - 1) if start else 0
-        if k <= 0:
-            state, acc, k = self.sim.start(), self._zero(), 0
-            self.checkpoints = []
-        else:
-            state, acc = self.checkpoints[k]
-            state = state.copy()
-            del self.checkpoints[k:]
-        for pos in range(k * self.block, len(order), self.block):
-            self.checkpoints.append((state.copy(), acc))
-            acc = self._run(order[pos : pos + self.block], state, acc)
-        if not self.checkpoints:
-            self.checkpoints.append((state.copy(), acc))
-        self.current = list(order)
-        self.value = self._score(acc)
-        return self.value
-
-    def score_from(self, order: Sequence[int], p: int) -> float:
-        """Score `order`, which equals the current order before position `p`."""
-        self.evaluations += 1
+    def _replay(self, order: Sequence[int], p: int, q: int | None, keep: bool):
+        """Replay `order` from the checkpoint at or before `p`. Returns the states and
+        accumulators at each checkpoint position passed (when `keep`), the final
+        accumulator, and the checkpoint index from which the current order's
+        checkpoints still hold (`None` if the replay ran to the end)."""
         k = min(p // self.block, len(self.checkpoints) - 1)
         state, acc = self.checkpoints[k]
-        acc = self._run(order[k * self.block :], state.copy(), acc)
-        return self._score(acc)
+        state = state.copy()
+        passed = []
+        for pos in range(k * self.block, len(order), self.block):
+            b = pos // self.block
+            if pos > k * self.block:
+                if (
+                    q is not None
+                    and pos > q
+                    and b < len(self.checkpoints)
+                    and state.succ == self.checkpoints[b][0].succ
+                ):
+                    old = self.checkpoints[b][1]
+                    return passed, self._shift(self.total, acc, old), b
+                if keep:
+                    passed.append((state.copy(), acc))
+            acc = self._run(order[pos : pos + self.block], state, acc)
+        return passed, acc, None
+
+    def set_current(
+        self, order: list[int], start: int = 0, stop: int | None = None
+    ) -> float:
+        """Make `order` current, rebuilding checkpoints from position `start` on
+        (`order` equals the current order outside positions `start..stop`, when
+        `stop` is given)."""
+        if not start or not self.checkpoints:
+            state, acc = self.sim.start(), self._zero()
+            self.checkpoints = []
+            for pos in range(0, len(order), self.block):
+                self.checkpoints.append((state.copy(), acc))
+                acc = self._run(order[pos : pos + self.block], state, acc)
+            if not self.checkpoints:
+                self.checkpoints.append((state.copy(), acc))
+            self.total = acc
+        else:
+            k = min(start // self.block, len(self.checkpoints) - 1)
+            passed, total, b = self._replay(order, start, stop, keep=True)
+            if b is None:
+                self.checkpoints[k + 1 :] = passed
+            else:
+                # The checkpoints from `b` on hold the same states; their costs so
+                # far move by the difference the changed positions made.
+                shifted = [
+                    (st, self._shift(a, total, self.total))
+                    for st, a in self.checkpoints[b:]
+                ]
+                self.checkpoints[k + 1 :] = passed + shifted
+            self.total = total
+        self.current = list(order)
+        self.value = self._score(self.total)
+        return self.value
+
+    def score_from(self, order: Sequence[int], p: int, q: int | None = None) -> float:
+        """Score `order`, which equals the current order before position `p` (and,
+        when `q` is given, after position `q`)."""
+        self.evaluations += 1
+        return self._score(self._replay(order, p, q, keep=False)[1])
 
 
 def _noisy(score, rng: random.Random, noise: float):
@@ -624,13 +676,13 @@ def _search(fun, argnums, has_aux, args, kwargs, pat: _Patterns, settings: _Sett
             else:
                 j = rng.randrange(n)
                 cand.insert(j, cand.pop(i))
-            p = min(i, j)
+            p, q = min(i, j), max(i, j)
             if cand == obj.current:
                 continue
-            value = obj.score_from(cand, p)
+            value = obj.score_from(cand, p, q)
             delta = value - current_value
             if delta <= 0 or rng.random() < math.exp(-delta / temperature):
-                current_value = obj.set_current(cand, p)
+                current_value = obj.set_current(cand, p, q)
                 if value < best_value:
                     stall = 0
                 offer(value, cand)

@@ -101,6 +101,54 @@ def test_simulator_equals_count_ops_on_random_graphs(seed):
         _assert_cost_matches(cost, _counted(f, args, order, (0, 1)))
 
 
+def _stencil_with_slices(u):
+    # Coordinate partials: sums of index maps whose patterns depend on what meets.
+    lap = u[2:] - 2.0 * u[1:-1] + u[:-2]
+    return jnp.concatenate([lap * jnp.sin(u[1:-1]) ** 2, u[:1] * u[-1:]])
+
+
+def _objective_graphs():
+    task, args = _task_args("RobotArm_6DOF")
+    yield task.fn, args, task.argnums
+    f, args = _random_program(3)
+    yield f, args, (0, 1)
+    yield _stencil_with_slices, (jnp.linspace(0.1, 0.9, 40),), 0
+
+
+@pytest.mark.parametrize("objective", ["muls", "time"])
+def test_search_replays_only_the_changed_window(objective):
+    # A candidate that permutes positions p..q is scored from the checkpoint before
+    # p up to the first checkpoint past q whose state matches; that score, and the
+    # checkpoints kept when it is accepted, must equal a replay from scratch.
+    for fun, args, argnums in _objective_graphs():
+        graph = gx.make_graph(fun, argnums=argnums)(*args)
+        sim = Simulator(graph._sim, graph.intermediates)
+        windowed = _search._Objective(sim, objective, block=4)
+        full = _search._Objective(sim, objective, block=4)
+        rng = np.random.default_rng(0)
+        order = [sim.index[v] for v in graph.intermediates]
+        windowed.set_current(order)
+        for step in range(60):
+            cand = list(windowed.current)
+            n = len(cand)
+            i = int(rng.integers(n))
+            j = int(min(n - 1, max(0, i + rng.integers(-6, 7))))
+            if step % 2:
+                cand[i], cand[j] = cand[j], cand[i]
+            else:
+                cand.insert(j, cand.pop(i))
+            p, q = min(i, j), max(i, j)
+            assert windowed.score_from(cand, p, q) == full.score(cand)
+            if step % 3 == 0:
+                value = windowed.set_current(cand, p, q)
+                assert value == full.score(cand)
+                for k, (state, acc) in enumerate(windowed.checkpoints):
+                    replay = _search._Objective(sim, objective, block=4)
+                    replay.set_current(cand)
+                    assert state.succ == replay.checkpoints[k][0].succ
+                    assert acc == replay.checkpoints[k][1]
+
+
 def test_simulator_rate_on_a_150_vertex_graph():
     # Correctness of the fast path on a large graph; speed is measured by
     # `python -m benchmarks.orders`, not here.
