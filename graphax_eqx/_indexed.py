@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -756,26 +757,35 @@ def _unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 MAX_SUM_TERMS = 8
 MIN_FLAT_NNZ = 64
 
-# id(value array) -> (the array itself, its terms). A term `(base, index)` stands for
-# `base[..., index]`, where an index equal to `base.shape[-1]` selects a zero.
-_SUM_TERMS: dict[int, tuple[Array, tuple[tuple[Array, np.ndarray], ...]]] = {}
-_SCOPES = [0]
+
+class _SumTerms(threading.local):
+    """Per thread: how many eliminations are running, and for each remembered sum,
+    id(value array) -> (the array itself, its terms). A term `(base, index)` stands
+    for `base[..., index]`, where an index equal to `base.shape[-1]` selects a zero.
+    The array is kept so that its id is not reused while the entry lives."""
+
+    def __init__(self):
+        self.depth = 0
+        self.terms: dict[int, tuple[Array, tuple[tuple[Array, np.ndarray], ...]]] = {}
+
+
+_SUMS = _SumTerms()
 
 
 @contextlib.contextmanager
 def sums_as_gathers():
     """Within this context, sums of coordinate partials remember their terms."""
-    _SCOPES[0] += 1
+    _SUMS.depth += 1
     try:
         yield
     finally:
-        _SCOPES[0] -= 1
-        if not _SCOPES[0]:
-            _SUM_TERMS.clear()
+        _SUMS.depth -= 1
+        if not _SUMS.depth:
+            _SUMS.terms.clear()
 
 
 def _terms_of(x: Array) -> tuple[tuple[Array, np.ndarray], ...]:
-    entry = _SUM_TERMS.get(id(x))
+    entry = _SUMS.terms.get(id(x))
     if entry is not None and entry[0] is x:
         return entry[1]
     return ((x, np.arange(x.shape[-1])),)
@@ -956,7 +966,7 @@ def coo_add(a: CooTensor, b: CooTensor, plan: CooSumPlan, dtype):
             v = _cast(untie(x.val), dtype)
             if tuple(v.shape[:-1]) == shape[:-1]:
                 gathered.append((v, pos))
-                if _SCOPES[0] and shape[-1] >= MIN_FLAT_NNZ:
+                if _SUMS.depth and shape[-1] >= MIN_FLAT_NNZ:
                     composed.extend(_gathered_terms(v, pos))
                 continue
             v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), dtype)], -1)
@@ -969,7 +979,7 @@ def coo_add(a: CooTensor, b: CooTensor, plan: CooSumPlan, dtype):
             terms.append(_emit_terms(tuple(composed if flat else gathered)))
         val = terms[0] if len(terms) == 1 else lax.add(*terms)
         if flat and len(terms) == 1:
-            _SUM_TERMS[id(val)] = (val, tuple(composed))
+            _SUMS.terms[id(val)] = (val, tuple(composed))
     out = CooTensor(val, p, jnp.dtype(dtype))
     if plan.densify:
         return to_labeled(out)

@@ -832,7 +832,7 @@ def test_chained_sums(order, sparse, max_terms, monkeypatch):
     )(x)
     _assert_close(jac.dense() if sparse else jac, expected)
     # Nothing is kept once the elimination is done.
-    assert not _indexed._SUM_TERMS
+    assert not _indexed._SUMS.terms
 
 
 def test_chained_sums_are_flattened(monkeypatch):
@@ -861,4 +861,4 @@ def test_chained_sums_nested_and_under_jit():
 
     hess = jax.jit(graphax_eqx.jacve(graphax_eqx.jacve(total, order="rev")))(x)
     _assert_close(hess, jax.hessian(total)(x))
-    assert not _indexed._SUM_TERMS
+    assert not _indexed._SUMS.terms
