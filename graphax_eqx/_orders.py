@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -379,16 +380,34 @@ def auto(sim: Simulator) -> list[int]:
     predicted at least `AUTO_MARGIN` cheaper than the better of fwd and rev.
     """
 
-    def key(order):
-        c = sim.cost(order)
-        return (predicted_time(c), c.adds + c.traffic)
+    def key(order, bound: float = math.inf) -> tuple[float, int] | None:
+        # `None` once the predicted time passes `bound` (it only grows).
+        c = sim.cost_until(order, lambda c: predicted_time(c) > bound)
+        return None if c is None else (predicted_time(c), c.adds + c.traffic)
 
     named = candidates(sim)
-    plain = min(("fwd", "rev"), key=lambda k: key(named[k]))
-    best_key, best = key(named[plain]), named[plain]
-    threshold = (1.0 - AUTO_MARGIN) * best_key[0]
+    keys: dict[str, tuple[float, int]] = {}
     for name in HEURISTICS:
         k = key(named[name])
+        assert k is not None
+        keys[name] = k
+    # A plain order predicted slower than this loses to the best heuristic whatever
+    # its exact cost, so its simulation can stop there: on programs with much
+    # fill-in (ten banded time steps, say) simulating forward and reverse mode in
+    # full is most of the time `auto` takes.
+    bound = min(k[0] for k in keys.values()) / (1.0 - AUTO_MARGIN)
+    plain_keys = {}
+    for name in ("fwd", "rev"):
+        k = key(named[name], bound)
+        if k is not None:
+            plain_keys[name] = k
+    if not plain_keys:
+        return named[min(HEURISTICS, key=keys.__getitem__)]
+    plain = min(plain_keys, key=plain_keys.__getitem__)
+    best_key, best = plain_keys[plain], named[plain]
+    threshold = (1.0 - AUTO_MARGIN) * best_key[0]
+    for name in HEURISTICS:
+        k = keys[name]
         if k[0] <= threshold and k < best_key:
             best_key, best = k, named[name]
     return best

@@ -12,7 +12,7 @@ those `count_ops=True` reports for the same order.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ._eliminate import SimEdge, sim_add, sim_product, structurally_zero, written
 from ._graph import EdgeGraph
@@ -225,6 +225,19 @@ class Simulator:
 
         `state` is not modified.
         """
+        cost = self.cost_until(order, lambda c: False, state)
+        assert cost is not None
+        return cost
+
+    def cost_until(
+        self,
+        order: Iterable[int],
+        stop: Callable[[Cost], bool],
+        state: State | None = None,
+    ) -> Cost | None:
+        """[`Simulator.cost`][], or `None` as soon as `stop` is true of the cost so far
+        (for a `stop` that stays true as costs grow, the cost of the whole order would
+        satisfy it too)."""
         state = self.start() if state is None else state.copy()
         index = self.index
         muls = adds = traffic = products = fill = 0
@@ -235,6 +248,8 @@ class Simulator:
             traffic += t
             products += p
             fill += f
+            if stop(Cost(muls, adds, traffic, products, fill)):
+                return None
         return Cost(muls, adds, traffic, products, fill)
 
     def muls(self, order: Sequence[int], state: State | None = None) -> int:

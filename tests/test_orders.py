@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import graphax_eqx as gx
-from benchmarks import tasks as task_registry
+from benchmarks import sparse_tasks as sparse_registry, tasks as task_registry
 from graphax_eqx import _search
 from graphax_eqx._orders import AUTO_MARGIN, graph_fingerprint
 from graphax_eqx._simulator import Simulator
@@ -197,6 +197,49 @@ def test_auto_leaves_fwd_and_rev_only_for_a_clear_saving(name, picked):
     plain = min(costs["fwd"].predicted_time, costs["rev"].predicted_time)
     auto = costs["auto"].predicted_time
     assert auto == plain or auto <= (1 - AUTO_MARGIN) * plain
+
+
+def _auto_by_full_costs(sim):
+    """`auto`'s rule with every candidate simulated to the end."""
+    from graphax_eqx._orders import HEURISTICS, candidates, predicted_time
+
+    def key(order):
+        c = sim.cost(order)
+        return (predicted_time(c), c.adds + c.traffic)
+
+    named = candidates(sim)
+    plain = min(("fwd", "rev"), key=lambda name: key(named[name]))
+    best_key, best = key(named[plain]), named[plain]
+    for name in HEURISTICS:
+        k = key(named[name])
+        if k[0] <= (1 - AUTO_MARGIN) * key(named[plain])[0] and k < best_key:
+            best_key, best = k, named[name]
+    return best
+
+
+def _auto_cases():
+    for name in task_registry.TASKS:
+        task, args = _task_args(name)
+        yield name, task.fn, args, task.argnums
+    for name, sparse in sparse_registry.SPARSE_TASKS.items():
+        yield name, sparse.function(small=True), (sparse.make_input(small=True),), 0
+    # Full size: fwd and rev need about six times the heuristics' multiplications.
+    heat = sparse_registry.SPARSE_TASKS["HeatSteps"]
+    yield "HeatSteps", heat.function(), (heat.make_input(),), 0
+    for seed in range(6):
+        f, args = _random_program(seed)
+        yield f"random {seed}", f, args, (0, 1)
+
+
+def test_auto_stops_simulating_plain_orders_that_cannot_win():
+    # `auto` stops simulating fwd and rev once they are predicted slower than the
+    # best heuristic can lose to; its pick must be the one full simulations give.
+    from graphax_eqx._orders import auto
+
+    for name, fun, args, argnums in _auto_cases():
+        graph = gx.make_graph(fun, argnums=argnums)(*args)
+        sim = Simulator(graph._sim, graph.intermediates)
+        assert auto(sim) == _auto_by_full_costs(sim), name
 
 
 def test_searched_order_is_valid_and_gives_the_jacobian():
