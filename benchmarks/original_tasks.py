@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells += [
             f"**{searched:,}**",
             f"{alphagrad:,}",
-            f"{1 - searched / best:.1%} ({1 - alphagrad / best:.1%})",
+            f"{1 - searched / best:.1%} ({1 - alphagrad / best:.1%})" if best else "—",
             f"{elapsed:.0f} s",
             "yes" if same else "NO",
         ]
