@@ -969,8 +969,7 @@ def coo_add(a: CooTensor, b: CooTensor, plan: CooSumPlan, dtype):
                 if _SUMS.depth and shape[-1] >= MIN_FLAT_NNZ:
                     composed.extend(_gathered_terms(v, pos))
                 continue
-            v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (1,), dtype)], -1)
-            v = _take_last(v, pos)
+            v = _emit_terms(((v, pos),))
             if tuple(v.shape) != shape:
                 v = lax.broadcast_in_dim(v, shape, tuple(dims) + (len(shape) - 1,))
             terms.append(v)

@@ -225,19 +225,19 @@ class Simulator:
 
         `state` is not modified.
         """
-        cost = self.cost_until(order, lambda c: False, state)
+        cost = self.cost_until(order, None, state)
         assert cost is not None
         return cost
 
     def cost_until(
         self,
         order: Iterable[int],
-        stop: Callable[[Cost], bool],
+        stop: Callable[[Cost], bool] | None,
         state: State | None = None,
     ) -> Cost | None:
-        """[`Simulator.cost`][], or `None` as soon as `stop` is true of the cost so far
-        (for a `stop` that stays true as costs grow, the cost of the whole order would
-        satisfy it too)."""
+        """[`Simulator.cost`][], or `None` as soon as `stop` (if given) is true of the
+        cost so far (for a `stop` that stays true as costs grow, the cost of the whole
+        order would satisfy it too)."""
         state = self.start() if state is None else state.copy()
         index = self.index
         muls = adds = traffic = products = fill = 0
@@ -248,7 +248,7 @@ class Simulator:
             traffic += t
             products += p
             fill += f
-            if stop(Cost(muls, adds, traffic, products, fill)):
+            if stop is not None and stop(Cost(muls, adds, traffic, products, fill)):
                 return None
         return Cost(muls, adds, traffic, products, fill)
 
