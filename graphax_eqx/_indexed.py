@@ -499,11 +499,68 @@ def to_coo(st: SparseTensor) -> CooTensor:
 #
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Untie:
+    """The value transform of `_untie`: a value array of the tied pattern to the
+    value array of the untied one, `(varying kept ties..., nnz · k)`.
+
+    The untied axes are laid out last in each entry (entry `e`, untied coordinates
+    `g` at `e · k + g`). Untied ties the value did not vary along are a broadcast;
+    `take` gathers through it from the value itself rather than from the broadcast.
+    """
+
+    order: tuple[int, ...]  # value axes to (varying kept..., nnz, varying untied...)
+    sizes: tuple[int, ...]  # (varying kept..., nnz, each untied tie...)
+    dims: tuple[int, ...]  # where the transposed value's axes land among `sizes`
+    lead: tuple[int, ...]  # sizes of the varying kept ties
+    nnz: int
+    ks: tuple[int, ...]  # sizes of the untied ties
+    kept: tuple[bool, ...]  # whether the value varies along each untied tie
+
+    @property
+    def identity(self) -> bool:
+        return not self.ks
+
+    def __call__(self, val: Array) -> Array:
+        if self.identity:
+            return val
+        val = _transpose(val, self.order)
+        if tuple(val.shape) != self.sizes:
+            val = lax.broadcast_in_dim(val, self.sizes, self.dims)
+        return lax.reshape(val, self.lead + (self.nnz * math.prod(self.ks),))
+
+    def compact(self, val: Array) -> Array:
+        """`val` transposed and flattened, without the broadcast."""
+        if self.identity:
+            return val
+        val = _transpose(val, self.order)
+        n = math.prod(val.shape[len(self.lead) :])
+        if val.ndim != len(self.lead) + 1:
+            val = lax.reshape(val, self.lead + (n,))
+        return val
+
+    def index(self, idx: np.ndarray) -> np.ndarray:
+        """Indices into `compact(val)` of the entries `idx` of `self(val)`; an index
+        one past the end (a zero) stays one past the end."""
+        if self.identity or all(self.kept):
+            return idx
+        k = math.prod(self.ks)
+        end = idx >= self.nnz * k
+        e, g = np.divmod(np.minimum(idx, self.nnz * k - 1), k)
+        coords = _unravel(g, self.ks)
+        which = [t for t, keep in enumerate(self.kept) if keep]
+        kept = [coords[t] for t in which]
+        kept_sizes = tuple(self.ks[t] for t in which)
+        out = _ravel([e] + kept, (self.nnz,) + kept_sizes, len(idx)).astype(idx.dtype)
+        n = self.nnz * math.prod(kept_sizes)
+        return np.where(end, n, out)
+
+
 @functools.lru_cache(maxsize=4096)
-def _untie(p: CooPattern, which: frozenset[int]) -> tuple[CooPattern, Callable]:
+def _untie(p: CooPattern, which: frozenset[int]) -> tuple[CooPattern, _Untie]:
     """`p` with the ties in `which` made free, and the matching value transform."""
     if not which:
-        return p, lambda val: val
+        return p, _Untie((), (), (), (), p.nnz, (), ())
     gone = sorted(which)
     keep = [t for t in range(len(p.ties)) if t not in which]
     ks = tuple(p.tie_sizes[t] for t in gone)
@@ -552,14 +609,15 @@ def _untie(p: CooPattern, which: frozenset[int]) -> tuple[CooPattern, Callable]:
     order = sorted(range(len(source)), key=lambda j: target.index(source[j]))
     dims = tuple(sorted(target.index(s) for s in source))
     lead = tuple(p.tie_sizes[t] for t in vary_keep)
-
-    def transform(val):
-        val = _transpose(val, order)
-        if tuple(val.shape) != tuple(sizes):
-            val = lax.broadcast_in_dim(val, tuple(sizes), dims)
-        return lax.reshape(val, lead + (nnz * k,))
-
-    return new, transform
+    return new, _Untie(
+        tuple(order),
+        tuple(sizes),
+        dims,
+        lead,
+        nnz,
+        ks,
+        tuple(p.varying[t] for t in gone),
+    )
 
 
 #
@@ -574,8 +632,8 @@ class CooProductPlan:
     kind: str
     muls: int
     has_val: bool
-    untie_a: Callable
-    untie_b: Callable
+    untie_a: _Untie
+    untie_b: _Untie
     ia: np.ndarray
     ib: np.ndarray
     seg: np.ndarray | None  # segment of each pair, None when no two pairs collide
@@ -726,6 +784,15 @@ def _take_last(x: Array, idx: np.ndarray) -> Array:
     )
 
 
+def _take_compact(x: Array, idx: np.ndarray) -> Array:
+    """`x[..., idx]`, as a broadcast where `x` has one entry."""
+    if x.shape[-1] == 1 and len(idx) != 1:
+        return lax.broadcast_in_dim(
+            x, tuple(x.shape[:-1]) + (len(idx),), tuple(range(x.ndim))
+        )
+    return _take_last(x, idx)
+
+
 def _unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted distinct `keys` and the index of each key among them."""
     if len(keys) and np.all(keys[1:] > keys[:-1]):
@@ -803,6 +870,10 @@ def _emit_terms(terms: tuple[tuple[Array, np.ndarray], ...]) -> Array:
     total = None
     for base, index in terms:
         n = base.shape[-1]
+        if n == 1 and not np.any(index == n):
+            part = _take_compact(base, index)
+            total = part if total is None else lax.add(total, part)
+            continue
         if np.any(index == n):
             base = jnp.concatenate(
                 [base, jnp.zeros(base.shape[:-1] + (1,), base.dtype)], -1
@@ -828,7 +899,7 @@ def coo_product(a: CooTensor, b: CooTensor, plan: CooProductPlan, dtype):
         parts = [x.val] if x.mask is None else [x.val, x.mask]
         aligned = []
         for part in parts:
-            part = _take_last(untie(part), idx)
+            part = _take_compact(untie.compact(part), untie.index(idx))
             if perm is not None:
                 part = _transpose(part, tuple(perm) + (part.ndim - 1,))
             if tuple(part.shape) != shape:
@@ -869,8 +940,8 @@ class CooSumPlan:
     coo: CooPattern
     adds: int
     has_val: bool
-    untie_a: Callable
-    untie_b: Callable
+    untie_a: _Untie
+    untie_b: _Untie
     pos_a: np.ndarray  # for each result entry, its index in A (nnz of A: absent)
     pos_b: np.ndarray
     a_dims: tuple[int, ...]
@@ -963,7 +1034,8 @@ def coo_add(a: CooTensor, b: CooTensor, plan: CooSumPlan, dtype):
                 present = (pos < n).astype(np.dtype(dtype))
                 terms.append(jnp.broadcast_to(jnp.asarray(present), shape))
                 continue
-            v = _cast(untie(x.val), dtype)
+            v = _cast(untie.compact(x.val), dtype)
+            pos = untie.index(pos)
             if tuple(v.shape[:-1]) == shape[:-1]:
                 gathered.append((v, pos))
                 if _SUMS.depth and shape[-1] >= MIN_FLAT_NNZ:

@@ -862,3 +862,66 @@ def test_chained_sums_nested_and_under_jit():
     hess = jax.jit(graphax_eqx.jacve(graphax_eqx.jacve(total, order="rev")))(x)
     _assert_close(hess, jax.hessian(total)(x))
     assert not _indexed._SUMS.terms
+
+
+# --------------------------------------------------------------------------------------
+# Gathers through untied broadcasts
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_untie_gathers_from_the_value_not_its_broadcast(seed):
+    from graphax_eqx import _indexed
+
+    rng = np.random.default_rng(seed)
+    # Output (3, 5, 4, 6) ← input (5, 7, 4): axes 1 and 2 of the output tied to axes
+    # 0 and 2 of the input, a few random entries over the free axes (3, 6) ← (7,).
+    out_shape, in_shape = (3, 5, 4, 6), (5, 7, 4)
+    ties = ((1, 0), (2, 2))
+    varying = tuple(bool(v) for v in rng.integers(0, 2, size=2))
+    keys = rng.choice(3 * 6 * 7, size=9, replace=False)
+    p = _indexed.CooPattern(out_shape, in_shape, ties, varying, keys // 7, keys % 7)
+    count = rng.integers(1, 3)
+    which = frozenset(int(t) for t in rng.choice(2, size=count, replace=False))
+    untied, untie = _indexed._untie(p, which)
+    assert len(untied.ties) == 2 - len(which)
+    val = jnp.asarray(rng.standard_normal(p.val_shape))
+    full = untie(val)
+    assert full.shape == untied.val_shape
+    # Entries of the untied value, with repeats and the one-past-the-end zero.
+    n = full.shape[-1]
+    idx = np.append(rng.integers(0, n, size=40), n)
+    expected = jnp.concatenate([full, jnp.zeros(full.shape[:-1] + (1,))], -1)[..., idx]
+    compact = untie.compact(val)
+    index = untie.index(idx)
+    assert compact.size <= full.size
+    padded = jnp.concatenate([compact, jnp.zeros(compact.shape[:-1] + (1,))], -1)
+    got = padded[..., index]
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_constant_coefficients_are_not_gathered_through_broadcasts():
+    # The stencil's constant weights are tied along the grid and untied where they
+    # meet the rolls' coordinates; the elimination gathers (or broadcasts) them from
+    # the weights themselves.
+    x = _uniform((2, 6, 7))
+    for order in ("fwd", "rev", "markowitz", "min_fill"):
+        fn = graphax_eqx.jacve(
+            _periodic_laplacian, order=order, sparse_representation=True
+        )
+        jaxpr = jax.make_jaxpr(fn)(x).jaxpr
+        producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+        def source(v):
+            # Look through the reshapes between a gather and what it gathers from.
+            e = producer.get(v) if isinstance(v, jex_core.Var) else None
+            while e is not None and e.primitive.name == "reshape":
+                v = e.invars[0]
+                e = producer.get(v) if isinstance(v, jex_core.Var) else None
+            return e
+
+        for e in jaxpr.eqns:
+            if e.primitive.name == "gather":
+                src = source(e.invars[0])
+                assert src is None or src.primitive.name != "broadcast_in_dim", order
+        _assert_close(fn(x).dense(), jax.jacfwd(_periodic_laplacian)(x))
