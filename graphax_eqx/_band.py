@@ -326,8 +326,12 @@ def _shifted_rows(val: Array, shift: int, n: int) -> Array:
     lo, hi = shift, shift + n
     pad_lo, pad_hi = max(0, -lo), max(0, hi - rows)
     if pad_lo or pad_hi:
-        val = jnp.pad(val, ((0, 0), (pad_lo, pad_hi)))
-    return val[:, lo + pad_lo : hi + pad_lo]
+        zero = lax.full((), 0, val.dtype)
+        val = lax.pad(val, zero, ((0, 0, 0), (pad_lo, pad_hi, 0)))
+    start = lo + pad_lo
+    if start == 0 and val.shape[1] == n:
+        return val
+    return lax.slice_in_dim(val, start, start + n, axis=1)
 
 
 def _contiguous(at: list[int]) -> bool:
@@ -339,7 +343,8 @@ def _place(rows: Array, at: list[int], n_out: int) -> Array:
     elsewhere."""
     if len(at) == n_out:
         return rows
-    return jnp.pad(rows, ((at[0], n_out - at[-1] - 1), (0, 0)))
+    zero = lax.full((), 0, rows.dtype)
+    return lax.pad(rows, zero, ((at[0], n_out - at[-1] - 1, 0), (0, 0, 0)))
 
 
 def band_product(a, b, plan: BandProductPlan, dtype):
