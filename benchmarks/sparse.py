@@ -85,6 +85,13 @@ ASDEX = "asdex"
 JACFWD = "jax.jacfwd"
 JACREV = "jax.jacrev"
 METHODS = (JACVE_SPARSE, JACVE_DENSE, ASDEX, JACFWD, JACREV)
+# Sparse jacve in named orders, timed against each other (`auto` reuses the
+# `jacve sparse` program): the check that `auto` picks a fast order.
+JACVE_AUTO = "jacve auto"
+NAMED_ORDERS = ("fwd", "rev", "markowitz")
+ORDER_METHODS = (JACVE_AUTO, *(f"jacve {name}" for name in NAMED_ORDERS))
+# The orders `auto` may pick, to name its pick.
+AUTO_CANDIDATES = ("fwd", "rev", "markowitz", "relative_markowitz", "min_fill")
 # The reference of the correctness check, in order of preference.
 REFERENCES = (JACFWD, ASDEX, JACREV)
 DTYPE = jnp.float32
@@ -113,6 +120,8 @@ class Settings:
     hard_limit: float
     # Programs planning more memory than this many bytes are compiled but not run.
     memory_limit: int
+    # Also time sparse jacve in the named orders against `auto`.
+    orders: bool = True
 
 
 @dataclasses.dataclass
@@ -136,6 +145,7 @@ class SparseResult:
     asdex_prep: float | None = None
     asdex_colors: int | None = None
     asdex_mode: str | None = None
+    auto_pick: str | None = None
 
     @property
     def n(self) -> int:
@@ -178,6 +188,9 @@ def _program(
         return jax.jit(graphax_eqx.jacve(fn, sparse_representation=True))
     if method == JACVE_DENSE:
         return jax.jit(graphax_eqx.jacve(fn))
+    if method in ORDER_METHODS:
+        order = method.removeprefix("jacve ")
+        return jax.jit(graphax_eqx.jacve(fn, order=order, sparse_representation=True))
     if method == JACFWD:
         return jax.jit(jax.jacfwd(fn))
     if method == JACREV:
@@ -346,9 +359,70 @@ def benchmark_task(
             failures.append(Failure(task.name, method, message, _traceback_tail()))
             _log(f"  {method}: FAILED {message}")
 
+    if settings.orders and graphax_eqx is not None:
+        _compile_orders(
+            result, fn, x, settings, compiled_programs, signatures, failures
+        )
     _check(result, signatures, failures)
     _time_methods(result, compiled_programs, x, settings)
     return result
+
+
+def _auto_pick(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> str:
+    """The named order `auto` picks for `fn` (from the simulator, no FLOPs)."""
+    picked = list(graphax_eqx.elimination_cost(fn, order="auto")(x).order)
+    for name in AUTO_CANDIDATES:
+        if list(graphax_eqx.elimination_cost(fn, order=name)(x).order) == picked:
+            return name
+    return "other"
+
+
+def _compile_orders(
+    result: SparseResult,
+    fn: Callable[[jax.Array], jax.Array],
+    x: jax.Array,
+    settings: Settings,
+    compiled_programs: dict[str, Any],
+    signatures: dict[str, list[np.ndarray]],
+    failures: list[Failure],
+) -> None:
+    """Compile sparse jacve in each named order (`auto` is `jacve sparse`'s
+    program) and record what the correctness check compares."""
+    if JACVE_SPARSE not in compiled_programs:
+        return
+    compiled_programs[JACVE_AUTO] = compiled_programs[JACVE_SPARSE]
+    try:
+        with _time_limit(settings.hard_limit):
+            result.auto_pick = _auto_pick(fn, x)
+    except Exception as error:
+        _log(f"  auto's pick unknown: {_short_error(error)}")
+    probe = None
+    if result.check == "probe":
+        probe = np.random.default_rng(PROBE_SEED).standard_normal(
+            (result.n, PROBE_COLUMNS)
+        )
+    for method in ORDER_METHODS[1:]:
+        try:
+            with _time_limit(settings.hard_limit):
+                start = time.perf_counter()
+                compiled = _program(method, fn, x, result).lower(x).compile()
+                out = _block(compiled(x))
+                result.first_call[method] = time.perf_counter() - start
+            signatures[method] = [_signature(out, result, probe)]
+            del out
+            if result.first_call[method] > settings.skip_after:
+                result.skipped[method] = (
+                    f"first call {_fmt_time(result.first_call[method])}"
+                )
+            else:
+                compiled_programs[method] = compiled
+        except Exception as error:
+            message = _short_error(error)
+            result.failed[method] = message
+            failures.append(
+                Failure(result.task.name, method, message, _traceback_tail())
+            )
+            _log(f"  {method}: FAILED {message}")
 
 
 def _check(
@@ -378,7 +452,7 @@ def _check(
 # Methods timed against each other. Each group's repetitions are interleaved; the
 # groups run one after the other, so that the multi-gigabyte dense calls do not leave
 # the sub-millisecond sparse ones to cold caches and freshly mapped memory.
-GROUPS = ((JACVE_SPARSE, ASDEX), (JACVE_DENSE, JACFWD, JACREV))
+GROUPS = ((JACVE_SPARSE, ASDEX), (JACVE_DENSE, JACFWD, JACREV), ORDER_METHODS)
 
 
 def _time_methods(
@@ -393,7 +467,9 @@ def _time_methods(
         if timed:
             reps.append(_time_group(result, timed, programs, x, settings))
     line = ", ".join(
-        f"{m} {_fmt_time(result.median.get(m))}" for m in METHODS if m in result.median
+        f"{m} {_fmt_time(result.median.get(m))}"
+        for m in METHODS + ORDER_METHODS[1:]
+        if m in result.median
     )
     _log(f"  {'/'.join(str(r) for r in reps)} reps: {line}")
 
@@ -521,6 +597,35 @@ def render_runtimes(results: Sequence[SparseResult]) -> str:
     )
 
 
+def render_orders(results: Sequence[SparseResult]) -> str:
+    if not any(JACVE_AUTO in r.median for r in results):
+        return ""
+    named = ORDER_METHODS[1:]
+    header = ["task", "auto picks", *ORDER_METHODS, "auto / best named"]
+    rows = []
+    for r in results:
+        cells = []
+        for method in ORDER_METHODS:
+            status = _status(r, method) if method not in r.median else None
+            value = status or _fmt_time(r.median.get(method))
+            cells.append(_wrong_mark(r, method) + value)
+        ratio = r.ratio(
+            [JACVE_AUTO], min(named, key=lambda m: r.median.get(m, math.inf))
+        )
+        rows.append([r.task.name, r.auto_pick or "—", *cells, _fmt_ratio(ratio)])
+    return "\n".join(
+        [
+            "\n## Orders\n",
+            "Sparse jacve (`sparse_representation=True`) in the order `auto` picks and "
+            "in forward, reverse and Markowitz order, timed together with interleaved "
+            "repetitions (a third group, after the two above). The last column is "
+            "auto's time over the fastest of the three named orders: at most 1.2 is "
+            "the target.\n",
+            _table(header, rows),
+        ]
+    )
+
+
 def render_first_calls(results: Sequence[SparseResult]) -> str:
     header = ["task", *METHODS, "asdex preparation (detection)", "asdex colours"]
     rows = []
@@ -559,11 +664,14 @@ def render_first_calls(results: Sequence[SparseResult]) -> str:
 
 
 def render_errors(results: Sequence[SparseResult]) -> str:
-    header = ["task", "reference", "compared", *METHODS]
+    checked = METHODS + tuple(
+        m for m in ORDER_METHODS[1:] if any(m in r.error for r in results)
+    )
+    header = ["task", "reference", "compared", *checked]
     rows = []
     for r in results:
         cells = []
-        for method in METHODS:
+        for method in checked:
             if method == r.reference:
                 cells.append("reference")
             elif method in r.error:
@@ -618,7 +726,14 @@ def render_header(settings: Settings, command: str, elapsed: float | None) -> st
         "methods compared with each other are interleaved (order rotated every "
         "repetition): sparse jacve with asdex, then dense jacve with `jax.jacfwd` "
         "and `jax.jacrev`, so the multi-gigabyte dense calls do not disturb the "
-        f"sparse ones; up to {settings.repeats} repetitions or "
+        "sparse ones"
+        + (
+            ", then sparse jacve in the order `auto` picks and in forward, reverse and "
+            "Markowitz order"
+            if settings.orders
+            else ""
+        )
+        + f"; up to {settings.repeats} repetitions or "
         f"{settings.time_budget:.0f} s per group and task. "
         f"A method is skipped when its compiled program plans more than "
         f"{settings.memory_limit / 1024**3:.1f} GiB, or when its first call or any "
@@ -732,6 +847,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--small", action="store_true", help="tiny problem sizes, for a smoke run"
     )
     parser.add_argument(
+        "--no-orders",
+        action="store_true",
+        help="do not time sparse jacve in forward, reverse and Markowitz order",
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help="also write the Markdown report here"
     )
     return parser.parse_args(argv)
@@ -763,6 +883,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         skip_after=options.skip_after,
         hard_limit=options.hard_limit,
         memory_limit=memory_limit,
+        orders=not options.no_orders,
     )
     command = " ".join(["python -m benchmarks --suite sparse", *arguments])
     if GRAPHAX_IMPORT_ERROR is not None:
@@ -786,6 +907,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 render_header(settings, command, elapsed),
                 render_wrong(results),
                 render_runtimes(results),
+                render_orders(results),
                 render_first_calls(results),
                 render_errors(results),
                 render_tasks(results),

@@ -72,6 +72,42 @@ def test_quick_run_writes_report(tmp_path):
     assert (tmp_path / "benchmarks_speedup.png").stat().st_size > 0
 
 
+def test_sparse_suite_times_the_named_orders(tmp_path):
+    out = tmp_path / "sparse.md"
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "--suite",
+        "sparse",
+        "--small",
+        "--repeats",
+        "2",
+        "--tasks",
+        "Stencil1D,HeatSteps",
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = out.read_text(encoding="utf-8")
+    assert "**WRONG**" not in report and "## WRONG RESULTS" not in report
+    orders = report.split("## Orders")[1].split("##")[0]
+    for name in ("Stencil1D", "HeatSteps"):
+        (row,) = [
+            line for line in orders.splitlines() if line.startswith(f"| {name} |")
+        ]
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        # auto's pick, four timings and the ratio, all measured.
+        assert cells[1] in ("fwd", "rev", "markowitz", "relative_markowitz", "min_fill")
+        assert all(c.endswith("s") for c in cells[2:6]), row
+        assert cells[6].endswith("×"), row
+    # The named orders are checked against the reference too.
+    assert "jacve markowitz" in report.split("## Correctness")[1]
+
+
 @pytest.mark.parametrize("name", list(SPARSE_TASKS))
 def test_sparse_task_is_well_formed(name):
     # At the small size: one array in, one finite array out of the input's dtype,
