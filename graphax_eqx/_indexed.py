@@ -545,14 +545,16 @@ class _Untie:
         if self.identity or all(self.kept):
             return idx
         k = math.prod(self.ks)
-        end = idx >= self.nnz * k
-        e, g = np.divmod(np.minimum(idx, self.nnz * k - 1), k)
-        coords = _unravel(g, self.ks)
         which = [t for t, keep in enumerate(self.kept) if keep]
-        kept = [coords[t] for t in which]
         kept_sizes = tuple(self.ks[t] for t in which)
-        out = _ravel([e] + kept, (self.nnz,) + kept_sizes, len(idx)).astype(idx.dtype)
         n = self.nnz * math.prod(kept_sizes)
+        end = idx >= self.nnz * k
+        if end.all():  # also every index of an empty value
+            return np.full_like(idx, n)
+        e, g = np.divmod(np.where(end, 0, idx), k)
+        coords = _unravel(g, self.ks)
+        kept = [coords[t] for t in which]
+        out = _ravel([e] + kept, (self.nnz,) + kept_sizes, len(idx)).astype(idx.dtype)
         return np.where(end, n, out)
 
 

@@ -900,6 +900,17 @@ def test_untie_gathers_from_the_value_not_its_broadcast(seed):
     np.testing.assert_array_equal(got, expected)
 
 
+def test_untie_index_of_an_empty_pattern():
+    from graphax_eqx import _indexed
+
+    empty = np.zeros(0, np.int64)
+    p = _indexed.CooPattern((4, 3), (4, 2), ((0, 0),), (False,), empty, empty)
+    untied, untie = _indexed._untie(p, frozenset({0}))
+    assert untied.nnz == 0
+    # Only the one-past-the-end zero can be asked for; it stays one past the end.
+    np.testing.assert_array_equal(untie.index(np.array([0, 0])), [0, 0])
+
+
 def test_constant_coefficients_are_not_gathered_through_broadcasts():
     # The stencil's constant weights are tied along the grid and untied where they
     # meet the rolls' coordinates; the elimination gathers (or broadcasts) them from
