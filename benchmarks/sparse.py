@@ -172,7 +172,7 @@ class SparseResult:
 
 def _available(method: str) -> str | None:
     """Why `method` cannot run in this environment, or `None` when it can."""
-    if method in (JACVE_SPARSE, JACVE_DENSE) and graphax_eqx is None:
+    if method in (JACVE_SPARSE, JACVE_DENSE, *ORDER_METHODS) and graphax_eqx is None:
         return "graphax_eqx unavailable"
     if method == ASDEX and asdex is None:
         return "asdex not installed"
@@ -315,7 +315,10 @@ def benchmark_task(
     compiled_programs: dict[str, Any] = {}
     signatures: dict[str, list[np.ndarray]] = {}
     shift = (2 * index) % len(METHODS)
-    for method in METHODS[shift:] + METHODS[:shift]:
+    methods = METHODS[shift:] + METHODS[:shift]
+    if settings.orders:
+        methods += ORDER_METHODS[1:]
+    for method in methods:
         reason = _available(method)
         if reason is not None:
             result.skipped[method] = reason
@@ -359,10 +362,14 @@ def benchmark_task(
             failures.append(Failure(task.name, method, message, _traceback_tail()))
             _log(f"  {method}: FAILED {message}")
 
-    if settings.orders and graphax_eqx is not None:
-        _compile_orders(
-            result, fn, x, settings, compiled_programs, signatures, failures
-        )
+    if JACVE_SPARSE in compiled_programs and settings.orders:
+        # `auto` is the `jacve sparse` program, timed again with the named orders.
+        compiled_programs[JACVE_AUTO] = compiled_programs[JACVE_SPARSE]
+        try:
+            with _time_limit(settings.hard_limit):
+                result.auto_pick = _auto_pick(fn, x)
+        except Exception as error:
+            _log(f"  auto's pick unknown: {_short_error(error)}")
     _check(result, signatures, failures)
     _time_methods(result, compiled_programs, x, settings)
     return result
@@ -375,54 +382,6 @@ def _auto_pick(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> str:
         if list(graphax_eqx.elimination_cost(fn, order=name)(x).order) == picked:
             return name
     return "other"
-
-
-def _compile_orders(
-    result: SparseResult,
-    fn: Callable[[jax.Array], jax.Array],
-    x: jax.Array,
-    settings: Settings,
-    compiled_programs: dict[str, Any],
-    signatures: dict[str, list[np.ndarray]],
-    failures: list[Failure],
-) -> None:
-    """Compile sparse jacve in each named order (`auto` is `jacve sparse`'s
-    program) and record what the correctness check compares."""
-    if JACVE_SPARSE not in compiled_programs:
-        return
-    compiled_programs[JACVE_AUTO] = compiled_programs[JACVE_SPARSE]
-    try:
-        with _time_limit(settings.hard_limit):
-            result.auto_pick = _auto_pick(fn, x)
-    except Exception as error:
-        _log(f"  auto's pick unknown: {_short_error(error)}")
-    probe = None
-    if result.check == "probe":
-        probe = np.random.default_rng(PROBE_SEED).standard_normal(
-            (result.n, PROBE_COLUMNS)
-        )
-    for method in ORDER_METHODS[1:]:
-        try:
-            with _time_limit(settings.hard_limit):
-                start = time.perf_counter()
-                compiled = _program(method, fn, x, result).lower(x).compile()
-                out = _block(compiled(x))
-                result.first_call[method] = time.perf_counter() - start
-            signatures[method] = [_signature(out, result, probe)]
-            del out
-            if result.first_call[method] > settings.skip_after:
-                result.skipped[method] = (
-                    f"first call {_fmt_time(result.first_call[method])}"
-                )
-            else:
-                compiled_programs[method] = compiled
-        except Exception as error:
-            message = _short_error(error)
-            result.failed[method] = message
-            failures.append(
-                Failure(result.task.name, method, message, _traceback_tail())
-            )
-            _log(f"  {method}: FAILED {message}")
 
 
 def _check(

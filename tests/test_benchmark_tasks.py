@@ -48,11 +48,21 @@ def test_jacve_matches_jacrev(name, order):
     assert tree_allclose(jac, reference, rtol=1e-9, atol=1e-9)
 
 
+def _run_benchmarks(*arguments: str) -> subprocess.CompletedProcess:
+    """`python -m benchmarks ARGUMENTS` from the repository root; it must succeed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", *arguments],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def test_quick_run_writes_report(tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks",
+    done = _run_benchmarks(
         "--quick",
         "--tasks",
         "MLP",
@@ -60,11 +70,7 @@ def test_quick_run_writes_report(tmp_path):
         "--no-scaling",
         "--out-dir",
         str(tmp_path),
-    ]
-    done = subprocess.run(
-        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     assert "## Summary" in done.stdout
     report = (tmp_path / "benchmarks.md").read_text(encoding="utf-8")
     assert "| MLP |" in report
@@ -74,10 +80,7 @@ def test_quick_run_writes_report(tmp_path):
 
 def test_sparse_suite_times_the_named_orders(tmp_path):
     out = tmp_path / "sparse.md"
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks",
+    _run_benchmarks(
         "--suite",
         "sparse",
         "--small",
@@ -87,11 +90,7 @@ def test_sparse_suite_times_the_named_orders(tmp_path):
         "Stencil1D,HeatSteps",
         "--out",
         str(out),
-    ]
-    done = subprocess.run(
-        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     report = out.read_text(encoding="utf-8")
     assert "**WRONG**" not in report and "## WRONG RESULTS" not in report
     orders = report.split("## Orders")[1].split("##")[0]
