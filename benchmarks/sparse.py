@@ -518,6 +518,16 @@ def _fmt_nnz(result: SparseResult, method: str) -> str:
     return f"{nnz:,}"
 
 
+def _runtime_cells(result: SparseResult, methods: Sequence[str]) -> list[str]:
+    """The median runtime of each method, or why there is none."""
+    cells = []
+    for method in methods:
+        status = _status(result, method) if method not in result.median else None
+        value = status or _fmt_time(result.median.get(method))
+        cells.append(_wrong_mark(result, method) + value)
+    return cells
+
+
 def render_runtimes(results: Sequence[SparseResult]) -> str:
     header = [
         "task",
@@ -530,11 +540,7 @@ def render_runtimes(results: Sequence[SparseResult]) -> str:
     ]
     rows = []
     for r in results:
-        cells = []
-        for method in METHODS:
-            status = _status(r, method) if method not in r.median else None
-            value = status or _fmt_time(r.median.get(method))
-            cells.append(_wrong_mark(r, method) + value)
+        cells = _runtime_cells(r, METHODS)
         rows.append(
             [
                 r.task.name,
@@ -563,11 +569,7 @@ def render_orders(results: Sequence[SparseResult]) -> str:
     header = ["task", "auto picks", *ORDER_METHODS, "auto / best named"]
     rows = []
     for r in results:
-        cells = []
-        for method in ORDER_METHODS:
-            status = _status(r, method) if method not in r.median else None
-            value = status or _fmt_time(r.median.get(method))
-            cells.append(_wrong_mark(r, method) + value)
+        cells = _runtime_cells(r, ORDER_METHODS)
         ratio = r.ratio(
             [JACVE_AUTO], min(named, key=lambda m: r.median.get(m, math.inf))
         )
