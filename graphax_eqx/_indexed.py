@@ -501,17 +501,15 @@ def to_coo(st: SparseTensor) -> CooTensor:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Untie:
-    """The value transform of `_untie`: a value array of the tied pattern to the
-    value array of the untied one, `(varying kept ties..., nnz · k)`.
+    """How the value array of a pattern maps onto that of the pattern `_untie` makes.
 
-    The untied axes are laid out last in each entry (entry `e`, untied coordinates
-    `g` at `e · k + g`). Untied ties the value did not vary along are a broadcast;
-    `take` gathers through it from the value itself rather than from the broadcast.
+    The untied pattern's value is `(varying kept ties..., nnz · k)`, the untied axes
+    laid out last in each entry (entry `e`, untied coordinates `g` at `e · k + g`). It
+    is never built: along the untied ties the value does not vary it would be a
+    broadcast. Its entries `idx` are read as `compact(val)[..., index(idx)]`.
     """
 
     order: tuple[int, ...]  # value axes to (varying kept..., nnz, varying untied...)
-    sizes: tuple[int, ...]  # (varying kept..., nnz, each untied tie...)
-    dims: tuple[int, ...]  # where the transposed value's axes land among `sizes`
     lead: tuple[int, ...]  # sizes of the varying kept ties
     nnz: int
     ks: tuple[int, ...]  # sizes of the untied ties
@@ -521,16 +519,9 @@ class _Untie:
     def identity(self) -> bool:
         return not self.ks
 
-    def __call__(self, val: Array) -> Array:
-        if self.identity:
-            return val
-        val = _transpose(val, self.order)
-        if tuple(val.shape) != self.sizes:
-            val = lax.broadcast_in_dim(val, self.sizes, self.dims)
-        return lax.reshape(val, self.lead + (self.nnz * math.prod(self.ks),))
-
     def compact(self, val: Array) -> Array:
-        """`val` transposed and flattened, without the broadcast."""
+        """`val` transposed to `(varying kept..., nnz, varying untied...)` and
+        flattened after the kept ties."""
         if self.identity:
             return val
         val = _transpose(val, self.order)
@@ -562,7 +553,7 @@ class _Untie:
 def _untie(p: CooPattern, which: frozenset[int]) -> tuple[CooPattern, _Untie]:
     """`p` with the ties in `which` made free, and the matching value transform."""
     if not which:
-        return p, _Untie((), (), (), (), p.nnz, (), ())
+        return p, _Untie((), (), p.nnz, (), ())
     gone = sorted(which)
     keep = [t for t in range(len(p.ties)) if t not in which]
     ks = tuple(p.tie_sizes[t] for t in gone)
@@ -606,20 +597,10 @@ def _untie(p: CooPattern, which: frozenset[int]) -> tuple[CooPattern, _Untie]:
     vary_keep = [t for t in keep if p.varying[t]]
     # Target layout: (varying kept ties..., nnz, each untied tie...).
     target = vary_keep + ["nnz"] + [("gone", t) for t in gone]
-    sizes = [p.tie_sizes[t] for t in vary_keep] + [nnz] + list(ks)
     source = [t if t in keep else ("gone", t) for t in vary_old] + ["nnz"]
     order = sorted(range(len(source)), key=lambda j: target.index(source[j]))
-    dims = tuple(sorted(target.index(s) for s in source))
     lead = tuple(p.tie_sizes[t] for t in vary_keep)
-    return new, _Untie(
-        tuple(order),
-        tuple(sizes),
-        dims,
-        lead,
-        nnz,
-        ks,
-        tuple(p.varying[t] for t in gone),
-    )
+    return new, _Untie(tuple(order), lead, nnz, ks, tuple(p.varying[t] for t in gone))
 
 
 #
@@ -768,6 +749,11 @@ def _take_last(x: Array, idx: np.ndarray) -> Array:
     n = x.shape[-1]
     if len(idx) == n and np.array_equal(idx, np.arange(n)):
         return x
+    if n == 1:
+        # Every index is 0: a broadcast, not a gather.
+        return lax.broadcast_in_dim(
+            x, tuple(x.shape[:-1]) + (len(idx),), tuple(range(x.ndim))
+        )
     lead = tuple(x.shape[:-1])
     k = len(lead)
     dnums = lax.GatherDimensionNumbers(
@@ -784,15 +770,6 @@ def _take_last(x: Array, idx: np.ndarray) -> Array:
         indices_are_sorted=bool(np.all(idx[1:] >= idx[:-1])),
         mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
     )
-
-
-def _take_compact(x: Array, idx: np.ndarray) -> Array:
-    """`x[..., idx]`, as a broadcast where `x` has one entry."""
-    if x.shape[-1] == 1 and len(idx) != 1:
-        return lax.broadcast_in_dim(
-            x, tuple(x.shape[:-1]) + (len(idx),), tuple(range(x.ndim))
-        )
-    return _take_last(x, idx)
 
 
 def _unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -872,10 +849,6 @@ def _emit_terms(terms: tuple[tuple[Array, np.ndarray], ...]) -> Array:
     total = None
     for base, index in terms:
         n = base.shape[-1]
-        if n == 1 and not np.any(index == n):
-            part = _take_compact(base, index)
-            total = part if total is None else lax.add(total, part)
-            continue
         if np.any(index == n):
             base = jnp.concatenate(
                 [base, jnp.zeros(base.shape[:-1] + (1,), base.dtype)], -1
@@ -901,7 +874,7 @@ def coo_product(a: CooTensor, b: CooTensor, plan: CooProductPlan, dtype):
         parts = [x.val] if x.mask is None else [x.val, x.mask]
         aligned = []
         for part in parts:
-            part = _take_compact(untie.compact(part), untie.index(idx))
+            part = _take_last(untie.compact(part), untie.index(idx))
             if perm is not None:
                 part = _transpose(part, tuple(perm) + (part.ndim - 1,))
             if tuple(part.shape) != shape:

@@ -8,6 +8,7 @@ several differentiated arguments.
 """
 
 import functools
+import math
 
 import jax
 import jax.extend.core as jex_core
@@ -886,18 +887,26 @@ def test_untie_gathers_from_the_value_not_its_broadcast(seed):
     untied, untie = _indexed._untie(p, which)
     assert len(untied.ties) == 2 - len(which)
     val = jnp.asarray(rng.standard_normal(p.val_shape))
-    full = untie(val)
-    assert full.shape == untied.val_shape
-    # Entries of the untied value, with repeats and the one-past-the-end zero.
-    n = full.shape[-1]
-    idx = np.append(rng.integers(0, n, size=40), n)
-    expected = jnp.concatenate([full, jnp.zeros(full.shape[:-1] + (1,))], -1)[..., idx]
     compact = untie.compact(val)
-    index = untie.index(idx)
-    assert compact.size <= full.size
+    # The untied pattern's whole value, read through the indices, is the same
+    # Jacobian as the tied one.
+    full = compact[..., untie.index(np.arange(untied.nnz))]
+    assert full.shape == untied.val_shape
+    np.testing.assert_array_equal(
+        _indexed.CooTensor(full, untied, val.dtype).dense(),
+        _indexed.CooTensor(val, p, val.dtype).dense(),
+    )
+    # Without a broadcast along the untied ties the value does not vary along.
+    assert (
+        compact.size
+        * math.prod(k for k, v in zip(untie.ks, untie.kept, strict=True) if not v)
+        == full.size
+    )
+    # Repeated entries, and the one-past-the-end zero.
+    idx = np.append(rng.integers(0, untied.nnz, size=40), untied.nnz)
+    expected = jnp.concatenate([full, jnp.zeros(full.shape[:-1] + (1,))], -1)[..., idx]
     padded = jnp.concatenate([compact, jnp.zeros(compact.shape[:-1] + (1,))], -1)
-    got = padded[..., index]
-    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(padded[..., untie.index(idx)], expected)
 
 
 def test_untie_index_of_an_empty_pattern():
