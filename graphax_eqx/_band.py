@@ -209,6 +209,46 @@ def to_coo(x: BandTensor) -> CooTensor:
     return CooTensor(_take_last(x.val.reshape(-1), bp.positions), bp.exact, x.dtype)
 
 
+@functools.lru_cache(maxsize=256)
+def _diagonal_runs(bp: BandPattern) -> tuple[tuple[int, int, int], ...] | None:
+    """`(diagonal, first row, row past the last)` of each diagonal's stored slots, if
+    they are one run of rows on every diagonal."""
+    runs = []
+    for k in range(len(bp.offsets)):
+        rows = np.flatnonzero(bp.stored[k])
+        if rows.size == 0:
+            continue
+        if rows[-1] - rows[0] + 1 != rows.size:
+            return None
+        runs.append((k, int(rows[0]), int(rows[-1]) + 1))
+    return tuple(runs)
+
+
+@functools.lru_cache(maxsize=256)
+def _diagonal_major(bp: BandPattern, runs) -> CooPattern:
+    rows = np.concatenate([np.arange(lo, hi, dtype=np.int64) for _, lo, hi in runs])
+    cols = np.concatenate(
+        [np.arange(lo, hi, dtype=np.int64) + bp.offsets[k] for k, lo, hi in runs]
+    )
+    return CooPattern(bp.out_shape, bp.in_shape, (), (), rows, cols)
+
+
+def to_result_coo(x: BandTensor) -> CooTensor:
+    """`x` as exact coordinates, for a Jacobian block handed to the caller.
+
+    The entries are listed diagonal by diagonal, so that a band whose diagonals each
+    store one run of rows becomes slices of its value array rather than a gather. (XLA
+    fuses the product that made the band into its consumer; a gather evaluates it
+    entry by entry, a concatenate of slices row-vectorised.)
+    """
+    bp = x.pattern
+    runs = _diagonal_runs(bp)
+    if not runs:
+        return to_coo(x)
+    val = jnp.concatenate([x.val[k, lo:hi] for k, lo, hi in runs])
+    return CooTensor(val, _diagonal_major(bp, runs), x.dtype)
+
+
 #
 # Products and sums.
 #

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, get_abstract_mesh
 
 from . import _jax_private as jp
-from ._band import BandTensor, to_coo as band_to_coo
+from ._band import BandTensor, to_result_coo
 from ._eliminate import real_add, real_product, run_order, sim_edge, simulate
 from ._graph import (
     EdgeGraph,
@@ -376,7 +376,7 @@ def _zero_block(out_shape, in_shape, dtype, sparse):
 
 def _block(edge, dtype, sparse):
     if isinstance(edge, BandTensor):
-        edge = band_to_coo(edge)
+        edge = to_result_coo(edge)
     if isinstance(edge, CooTensor):
         if sparse:
             val = None if edge.val is None else edge.val.astype(dtype)

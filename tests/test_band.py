@@ -140,3 +140,45 @@ def test_jacve_of_jacve_through_bands():
     got = gx.jacve(gx.jacve(f, order="rev"), order="fwd")(x)
     want = jax.jacfwd(jax.jacrev(f))(x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-9, atol=1e-9)
+
+
+def _producer(jaxpr) -> str:
+    """The primitive that computes the program's (single) output."""
+    (out,) = jaxpr.outvars
+    (eqn,) = [e for e in jaxpr.eqns if out in e.outvars]
+    return eqn.primitive.name
+
+
+@pytest.mark.parametrize("name", ["stencil", "heat"])
+def test_band_results_are_read_by_slices(name):
+    # A banded result whose diagonals each hold one run of rows is handed out
+    # diagonal by diagonal: slices of its values, no gather for XLA to fuse the last
+    # product into.
+    f = PROGRAMS[name]
+    x = _input(jnp.float64)
+    ref = np.asarray(jax.jacfwd(f)(x))
+    for order in ("fwd", "rev", "min_fill"):
+        jac = gx.jacve(f, order=order, sparse_representation=True)
+        assert _producer(jax.make_jaxpr(jac)(x).jaxpr) == "concatenate"
+        got = jac(x)
+        bcoo = got.to_bcoo()
+        rows, cols = np.asarray(bcoo.indices).T
+        assert bcoo.nse == int(np.count_nonzero(ref))
+        assert set(zip(rows.tolist(), cols.tolist())) == set(zip(*np.nonzero(ref)))
+        np.testing.assert_allclose(np.asarray(bcoo.todense()), ref, rtol=1e-10)
+
+
+def test_band_result_with_a_gap_in_a_diagonal():
+    # Structural zeros inside the diagonals (entries replaced by constants): the
+    # result is gathered from its band, and still exact.
+    def f(u):
+        return _stencil(jnp.concatenate([u[:100], jnp.full(40, 0.5), u[140:]]))
+
+    x = _input(jnp.float64)
+    ref = np.asarray(jax.jacfwd(f)(x))
+    for order in ("fwd", "rev", "min_fill"):
+        jac = gx.jacve(f, order=order, sparse_representation=True)
+        assert _producer(jax.make_jaxpr(jac)(x).jaxpr) == "gather"
+        got = jax.jit(jac)(x)
+        assert got.to_bcoo().nse == int(np.count_nonzero(ref))
+        np.testing.assert_allclose(np.asarray(got.dense()), ref, rtol=1e-12)
