@@ -42,21 +42,67 @@ class Cost:
 
 
 class State:
-    """A partly eliminated graph: `pred[i]` / `succ[i]` map neighbours to edge ids."""
+    """A partly eliminated graph: `pred[i]` / `succ[i]` map neighbours to edge ids.
 
-    __slots__ = ("pred", "succ", "remaining")
+    Copies share their rows: a copy copies a list of references, and each state copies
+    a row before its first write to it (`own_pred` / `own_succ` hold the rows it has
+    copied; `None`: all of them). The search copies states far more often than it
+    changes most rows.
+    """
+
+    __slots__ = ("pred", "succ", "remaining", "own_pred", "own_succ")
 
     def __init__(self, pred, succ, remaining):
         self.pred: list[dict[int, int]] = pred
         self.succ: list[dict[int, int]] = succ
         self.remaining: set[int] = remaining
+        self.own_pred: set[int] | None = set()
+        self.own_succ: set[int] | None = set()
 
     def copy(self) -> State:
-        return State(
+        # From now on both states share every row.
+        self.own_pred = set()
+        self.own_succ = set()
+        return State(list(self.pred), list(self.succ), set(self.remaining))
+
+    def owned_copy(self) -> State:
+        """A copy that owns all its rows (for a state about to be eliminated through)."""
+        state = State(
             [d.copy() for d in self.pred],
             [d.copy() for d in self.succ],
             set(self.remaining),
         )
+        state.own_pred = state.own_succ = None
+        return state
+
+
+def _detach(state: State, i: int, ins: dict, outs: dict) -> None:
+    """Remove vertex `i`'s edges from `state`, taking ownership of the rows of its
+    neighbours (which the elimination then writes)."""
+    pred, succ = state.pred, state.succ
+    pred[i] = {}
+    succ[i] = {}
+    own_pred, own_succ = state.own_pred, state.own_succ
+    if own_pred is None or own_succ is None:
+        for u in ins:
+            del succ[u][i]
+        for w in outs:
+            del pred[w][i]
+        return
+    own_pred.add(i)
+    own_succ.add(i)
+    for u in ins:
+        row = succ[u]
+        if u not in own_succ:
+            row = succ[u] = row.copy()
+            own_succ.add(u)
+        del row[i]
+    for w in outs:
+        row = pred[w]
+        if w not in own_pred:
+            row = pred[w] = row.copy()
+            own_pred.add(w)
+        del row[i]
 
 
 class Simulator:
@@ -144,7 +190,7 @@ class Simulator:
 
     def start(self) -> State:
         """A fresh state: nothing eliminated yet."""
-        return self._initial.copy()
+        return self._initial.owned_copy()
 
     def eliminate(self, state: State, i: int) -> tuple[int, int, int, int, int]:
         """Eliminate internal vertex `i` in place.
@@ -154,13 +200,8 @@ class Simulator:
         pred, succ = state.pred, state.succ
         ins = pred[i]
         outs = succ[i]
-        pred[i] = {}
-        succ[i] = {}
+        _detach(state, i, ins, outs)
         state.remaining.discard(i)
-        for u in ins:
-            del succ[u][i]
-        for w in outs:
-            del pred[w][i]
         prod, sums, add, wr = self._prod, self._sum, self._add, self._written
         zero = self._zero
         muls = adds = traffic = fill = 0
@@ -259,19 +300,14 @@ class Simulator:
         `state` (default: the start) is consumed.
         """
         if state is None:
-            state = self._initial.copy()
+            state = self._initial.owned_copy()
         pred, succ = state.pred, state.succ
         prod, sums, zero = self._prod, self._sum, self._zero
         total = 0
         for i in order:
             ins = pred[i]
             outs = succ[i]
-            pred[i] = {}
-            succ[i] = {}
-            for u in ins:
-                del succ[u][i]
-            for w in outs:
-                del pred[w][i]
+            _detach(state, i, ins, outs)
             outs_items = list(outs.items())
             for u, b in ins.items():
                 su = succ[u]

@@ -149,6 +149,28 @@ def test_search_replays_only_the_changed_window(objective):
                     assert acc == replay.checkpoints[k][1]
 
 
+def test_state_copies_share_rows_until_written():
+    # A copy shares its rows with the original; whichever is eliminated through
+    # copies the rows it writes, and the other keeps its graph.
+    task, args = _task_args("RobotArm_6DOF")
+    graph = gx.make_graph(task.fn, argnums=task.argnums)(*args)
+    sim = Simulator(graph._sim, graph.intermediates)
+    order = [sim.index[v] for v in graph.intermediates]
+    half = len(order) // 2
+    base = sim.start()
+    sim.muls(order[:half], base)
+    snapshot = ([dict(r) for r in base.pred], [dict(r) for r in base.succ])
+    first, second = base.copy(), base.copy()
+    assert all(a is b for a, b in zip(first.succ, base.succ, strict=True))
+    rest = sim.muls(order[half:], first)
+    # Rows the elimination did not reach are still shared.
+    assert any(a is b for a, b in zip(first.succ, base.succ, strict=True))
+    assert ([dict(r) for r in base.pred], [dict(r) for r in base.succ]) == snapshot
+    assert sim.muls(list(reversed(order[half:])), base) >= 0
+    assert sim.muls(order[half:], second) == rest
+    assert second.succ == first.succ
+
+
 def test_simulator_rate_on_a_150_vertex_graph():
     # Correctness of the fast path on a large graph; speed is measured by
     # `python -m benchmarks.orders`, not here.
