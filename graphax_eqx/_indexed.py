@@ -37,7 +37,10 @@ from ._sparse import (
     _cast,
     _dtype_str,
     _transpose,
+    batched_bcoo,
+    batched_dense,
     make_pattern,
+    vmapped_axes,
 )
 
 
@@ -180,6 +183,11 @@ class CooTensor(BlockShape, eqx.Module):
     It is a pytree whose children are the value array (and mask), so it passes through
     `jax.jit`, `jax.vmap` and `eqx.filter_jit`.
 
+    Under `jax.vmap` the value array (and mask) gain the mapped axes in front, and
+    `.dense()` and `.to_bcoo()` (a BCOO with as many batch dimensions) return them,
+    as `jax.vmap(jax.jacfwd(f))` would. A block without values (`val is None`, a pure
+    index map) is the same for every mapped element and has no mapped axes.
+
     **Attributes:**
 
     - `val`: `None` when every stored entry is exactly one, else an array of shape
@@ -201,7 +209,11 @@ class CooTensor(BlockShape, eqx.Module):
         return self.pattern.structural_nnz
 
     def dense(self) -> Array:
-        """The Jacobian as a dense array of shape `out_shape + in_shape`."""
+        """The Jacobian as a dense array of shape `out_shape + in_shape` (with the
+        leading axes `jax.vmap` added, if any)."""
+        batch = vmapped_axes(self.val, sum(self.pattern.varying) + 1)
+        if batch:
+            return batched_dense(self, batch)
         return to_labeled(self).dense()
 
     def todense(self) -> Array:
@@ -212,6 +224,9 @@ class CooTensor(BlockShape, eqx.Module):
         """The Jacobian as a `jax.experimental.sparse.BCOO` matrix storing exactly the
         structural nonzeros."""
         p = self.pattern
+        batch = vmapped_axes(self.val, sum(p.varying) + 1)
+        if batch:
+            return batched_bcoo(self, batch)
         nties = len(p.ties)
         tie_grid = np.indices(p.tie_sizes, dtype=np.int64)
         tie_grid = tie_grid.reshape(nties, math.prod(p.tie_sizes))

@@ -66,7 +66,7 @@ class State:
         return State(list(self.pred), list(self.succ), set(self.remaining))
 
     def owned_copy(self) -> State:
-        """A copy that owns all its rows (for a state about to be eliminated through)."""
+        """A copy that owns all its rows (for eliminating through from the start)."""
         state = State(
             [d.copy() for d in self.pred],
             [d.copy() for d in self.succ],

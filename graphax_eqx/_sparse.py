@@ -212,12 +212,43 @@ class BlockShape:
         return len(self.shape)
 
 
+def vmapped_axes(val: Array | None, ndim: int) -> int:
+    """How many leading axes `jax.vmap` added to a result's value array of `ndim`
+    axes (0 when it was not vmapped, or stores no values)."""
+    return 0 if val is None else max(0, jnp.ndim(val) - ndim)
+
+
+def batched_dense(block, batch: int) -> Array:
+    """`block.dense()` of a result vmapped over `batch` leading axes."""
+    fn = type(block).dense
+    for _ in range(batch):
+        fn = jax.vmap(fn)
+    return fn(block)
+
+
+def batched_bcoo(block, batch: int) -> jsparse.BCOO:
+    """`block.to_bcoo()` of a result vmapped over `batch` leading axes: a BCOO with
+    `batch` batch dimensions, its indices the same in every batch element."""
+    lead = tuple(jax.tree.leaves(block)[0].shape[:batch])
+    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[batch:]), block)
+    first = type(block).to_bcoo(jax.tree.map(lambda x: x[0], flat))
+    data = jax.vmap(lambda b: type(b).to_bcoo(b).data)(flat)
+    data = data.reshape(lead + data.shape[1:])
+    indices = jnp.broadcast_to(first.indices, lead + first.indices.shape)
+    return jsparse.BCOO((data, indices), shape=lead + tuple(first.shape))
+
+
 class SparseTensor(BlockShape, eqx.Module):
     """A structured (sparse) Jacobian block of shape `out_shape + in_shape`.
 
     Returned by `graphax_eqx.jacve` with `sparse_representation=True`. It is a
     pytree whose only child is the value array, so it passes through `jax.jit`,
     `jax.vmap` and `eqx.filter_jit`.
+
+    Under `jax.vmap` the value array (and mask) gain the mapped axes in front, and
+    `.dense()` and `.to_bcoo()` (a BCOO with as many batch dimensions) return them,
+    as `jax.vmap(jax.jacfwd(f))` would. A block without values (`val is None`, a pure
+    index map) is the same for every mapped element and has no mapped axes.
 
     Each axis of the full Jacobian carries a label. Axes that share a label are tied by
     a Kronecker delta; labels listed in `pattern.val_labels` index the value array;
@@ -243,8 +274,12 @@ class SparseTensor(BlockShape, eqx.Module):
     mask: Array | None = None
 
     def dense(self) -> Array:
-        """The Jacobian as a dense array of shape `out_shape + in_shape`."""
+        """The Jacobian as a dense array of shape `out_shape + in_shape` (with the
+        leading axes `jax.vmap` added, if any)."""
         p = self.pattern
+        batch = vmapped_axes(self.val, len(p.val_labels))
+        if batch:
+            return batched_dense(self, batch)
         target = dense_pattern(p.out_shape, p.in_shape)
         return refine(self, target).val  # pyright: ignore
 
@@ -259,9 +294,15 @@ class SparseTensor(BlockShape, eqx.Module):
         distinct labels.
         """
         p = self.pattern
+        batch = vmapped_axes(self.val, len(p.val_labels))
+        if batch:
+            return batched_bcoo(self, batch)
         sizes = p.sizes
-        grids = np.indices(sizes, dtype=np.int32).reshape(len(sizes), -1)
-        indices = np.stack([grids[label] for label in p.labels], axis=-1)
+        grids = np.indices(sizes, dtype=np.int32).reshape(len(sizes), math.prod(sizes))
+        indices = np.stack(
+            [grids[label] for label in p.labels] or [np.zeros((1,), np.int32)],
+            axis=-1,
+        )[:, : len(p.labels)]
         data = _broadcast_val(self, tuple(range(p.num_labels))).reshape(-1)
         return jsparse.BCOO((data, jnp.asarray(indices)), shape=p.shape)
 

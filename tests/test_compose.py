@@ -101,6 +101,64 @@ def test_sparse_representation_under_jit():
     assert_tree_matches(again.dense(), jax.jacrev(_f)(_X * 2.0))
 
 
+def _stencil(u):
+    return u[2:] - 2.0 * u[1:-1] + u[:-2] + jnp.sin(u[1:-1]) ** 3
+
+
+def _batched_flux(x):
+    # Index maps on a (B, 3) array: tied on B, coordinates on the last axis.
+    return jnp.stack([x[:, 0] * x[:, 1], jnp.sin(x[:, 2]), x[:, 0] ** 2], axis=1)
+
+
+def _selected(x):
+    return jnp.where(x > 0.5, jnp.sin(x), x[::-1])
+
+
+def _elementwise(x):
+    return jnp.sin(x) * x
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "min_fill"])
+@pytest.mark.parametrize(
+    "fun, shape, depth",
+    [
+        (_stencil, (3, 9), 1),
+        (_stencil, (2, 3, 9), 2),
+        (_batched_flux, (2, 4, 3), 1),
+        (_selected, (3, 6), 1),
+        (_elementwise, (4, 5), 1),
+        (_elementwise, (4,), 1),
+    ],
+)
+def test_sparse_results_under_vmap(fun, shape, depth, order):
+    # vmap adds leading axes to a structured result's values; `.dense()` and
+    # `.to_bcoo()` return them, as `jax.vmap(jax.jacfwd(f))` does.
+    xs = jax.random.uniform(jax.random.key(0), shape, minval=0.1, maxval=0.9)
+    ref = jax.jacfwd(fun)
+    jac = graphax_eqx.jacve(fun, order, sparse_representation=True)
+    for _ in range(depth):
+        ref, jac = jax.vmap(ref), jax.vmap(jac)
+    want = ref(xs)
+    for got in (jac(xs), jax.jit(jac)(xs)):
+        assert is_sparse_block(got)
+        assert got.dense().shape == want.shape
+        assert_tree_matches(got.dense(), want)
+        bcoo = got.to_bcoo()
+        assert bcoo.n_batch == depth and bcoo.shape == want.shape
+        assert_tree_matches(bcoo.todense(), want)
+
+
+def test_to_bcoo_of_a_scalar_block():
+    def f(x):
+        return jnp.sin(x) * x
+
+    x = jnp.asarray(0.7)
+    got = graphax_eqx.jacve(f, sparse_representation=True)(x)
+    bcoo = got.to_bcoo()
+    assert bcoo.shape == () and bcoo.nse == 1
+    assert_tree_matches(bcoo.todense(), jax.jacfwd(f)(x))
+
+
 @pytest.mark.parametrize("order", ["fwd", "rev", "auto"])
 def test_grad_through_jacve(order):
     def loss(x, jacobian):
