@@ -79,29 +79,24 @@ class State:
 def _detach(state: State, i: int, ins: dict, outs: dict) -> None:
     """Remove vertex `i`'s edges from `state`, taking ownership of the rows of its
     neighbours (which the elimination then writes)."""
-    pred, succ = state.pred, state.succ
-    pred[i] = {}
-    succ[i] = {}
-    own_pred, own_succ = state.own_pred, state.own_succ
-    if own_pred is None or own_succ is None:
-        for u in ins:
-            del succ[u][i]
-        for w in outs:
-            del pred[w][i]
+    state.pred[i] = {}
+    state.succ[i] = {}
+    _unlink(state.succ, state.own_succ, ins, i)
+    _unlink(state.pred, state.own_pred, outs, i)
+
+
+def _unlink(rows: list[dict], own: set[int] | None, neighbours, i: int) -> None:
+    """Delete `i` from the rows of `neighbours`, copying each shared one first."""
+    if own is None:
+        for v in neighbours:
+            del rows[v][i]
         return
-    own_pred.add(i)
-    own_succ.add(i)
-    for u in ins:
-        row = succ[u]
-        if u not in own_succ:
-            row = succ[u] = row.copy()
-            own_succ.add(u)
-        del row[i]
-    for w in outs:
-        row = pred[w]
-        if w not in own_pred:
-            row = pred[w] = row.copy()
-            own_pred.add(w)
+    own.add(i)
+    for v in neighbours:
+        row = rows[v]
+        if v not in own:
+            row = rows[v] = row.copy()
+            own.add(v)
         del row[i]
 
 

@@ -299,10 +299,10 @@ class SparseTensor(BlockShape, eqx.Module):
             return batched_bcoo(self, batch)
         sizes = p.sizes
         grids = np.indices(sizes, dtype=np.int32).reshape(len(sizes), math.prod(sizes))
-        indices = np.stack(
-            [grids[label] for label in p.labels] or [np.zeros((1,), np.int32)],
-            axis=-1,
-        )[:, : len(p.labels)]
+        if p.labels:
+            indices = np.stack([grids[label] for label in p.labels], axis=-1)
+        else:  # a scalar block: one entry, no coordinates
+            indices = np.zeros((1, 0), np.int32)
         data = _broadcast_val(self, tuple(range(p.num_labels))).reshape(-1)
         return jsparse.BCOO((data, jnp.asarray(indices)), shape=p.shape)
 
