@@ -337,6 +337,14 @@ _PRIMITIVE_CASES = [
         _inputs((5, 6), (3, 6)),
         (0, 1),
     ),
+    _case(
+        "scatter_set_colliding_2d",
+        lambda x, y: jnp.sum(
+            jnp.sin((x * x).at[np.array([1, 4, 1, 30])].set(jnp.exp(y))), axis=0
+        ),
+        _inputs((5, 6), (4, 6)),
+        (0, 1),
+    ),
     # Segment sums with constant ids (unsorted with an empty segment; sorted).
     _case(
         "segment_sum_2d",
@@ -437,6 +445,11 @@ def _traced_scatter_add(x, u, y):
     return jnp.sin((x * x).at[jnp.argsort(y[:, 0]) % 3].add(jnp.exp(u)))
 
 
+def _traced_scatter_set(x, u, y):
+    # Three targets for five rows: some updates are overwritten.
+    return jnp.sin((x * x).at[jnp.argsort(y[:, 0]) % 3].set(jnp.exp(u)))
+
+
 def _traced_gather_scatter(x, y):
     idx = jnp.argsort(y[:, 3])
     gathered = jnp.sin(x[idx % 4]) * x[(idx + 1) % 5]
@@ -466,6 +479,7 @@ _TRACED_CASES = [
         (0, 1),
     ),
     _case("scatter_add", _traced_scatter_add, _inputs((5, 6), (5, 6), (5, 6)), (0, 1)),
+    _case("scatter_set", _traced_scatter_set, _inputs((5, 6), (5, 6), (5, 6)), (0, 1)),
     _case(
         "segment_sum",
         lambda x, y: jnp.sin(

@@ -345,8 +345,43 @@ def _scatter(primals, active, **params):
         partials[(0, 0)] = diagonal(mask, shape, out.dtype)
     if active[2]:
         args = [jnp.zeros_like(operand), indices, updates]
-        partials[(0, 2)] = _linear_in(lax.scatter_p, params, args, 2, shape, out.dtype)
+        # Where several updates land on one output, the one the scatter keeps.
+        partial = _index_map_in(lax.scatter_p, params, args, 2, shape, out.dtype)
+        if partial is None:
+            partial = _kept_updates_map(params, indices, updates, shape, out.dtype)
+        partials[(0, 2)] = partial
     return [out], partials
+
+
+def _kept_updates_map(params, indices, updates, out_shape, dtype):
+    """A scatter's partial w.r.t. its updates, for indices known only at run time.
+
+    Updates that a later one overwrites are dropped first, so the map is a
+    scatter-add (which JAX transposes for any indices) of the updates that are kept.
+    """
+    upd_shape = shape_of(updates)
+    add_params = dict(params, unique_indices=False)
+    ids = lax.iota(np.int32, math.prod(upd_shape)).reshape(upd_shape) + 1
+    kept_id = lax.scatter_p.bind(
+        jnp.zeros(out_shape, np.int32), indices, ids, **add_params
+    )
+    zeros = jnp.zeros(out_shape, np.float32)
+    gather = jax.linear_transpose(
+        lambda u: lax.scatter_add_p.bind(zeros, indices, u, **add_params),
+        jax.ShapeDtypeStruct(upd_shape, np.float32),
+    )
+    # The id kept at each update's destination, read back in two exact halves.
+    (high,) = gather((kept_id // 4096).astype(np.float32))
+    (low,) = gather((kept_id % 4096).astype(np.float32))
+    seen = high.astype(np.int32) * 4096 + low.astype(np.int32)
+    kept = seen == ids
+    out_zeros = jnp.zeros(out_shape, dtype)
+
+    def fn(t):
+        t = lax.select(kept, t, lax.full_like(t, 0))
+        return lax.scatter_add_p.bind(out_zeros, indices, t, **add_params)
+
+    return linear_map(fn, upd_shape, out_shape, dtype)
 
 
 @register(lax.pad_p)
