@@ -34,7 +34,7 @@ from ._indexed import (
     CooTensor,
     _take_last,
 )
-from ._sparse import BlockShape, Pattern, SparseTensor, _broadcast_val
+from ._sparse import BlockShape, Pattern, SparseTensor, _broadcast_val, full_mask
 
 
 Array = Any
@@ -111,6 +111,7 @@ class BandTensor(BlockShape, eqx.Module):
     val: Array
     pattern: BandPattern = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
+    mask: Array | None = None  # selected-away slots, shaped like `val`
 
 
 #
@@ -185,8 +186,14 @@ def to_band(x, bp: BandPattern, dtype) -> BandTensor:
     n_diag, n_rows = len(bp.offsets), bp.n_rows
     if isinstance(x, SparseTensor):
         # One axis, elementwise: its (broadcast) value is the main diagonal.
-        diag = _unmasked(_broadcast_val(x, (0,)), x.mask)
-        return BandTensor(diag.reshape(1, n_rows).astype(dtype), bp, jnp.dtype(dtype))
+        mask = full_mask(x)
+        diag = _unmasked(_broadcast_val(x, (0,)), mask)
+        if mask is not None:
+            selected = SparseTensor(mask, x.pattern, jnp.dtype(bool))
+            mask = _broadcast_val(selected, (0,)).reshape(1, n_rows)
+        return BandTensor(
+            diag.reshape(1, n_rows).astype(dtype), bp, jnp.dtype(dtype), mask
+        )
     assert isinstance(x, CooTensor)
     if x.val is None:
         flat = np.zeros(bp.val_size, np.dtype(dtype))
@@ -194,19 +201,27 @@ def to_band(x, bp: BandPattern, dtype) -> BandTensor:
         return BandTensor(
             jnp.asarray(flat.reshape(n_diag, n_rows)), bp, jnp.dtype(dtype)
         )
-    flat = jnp.zeros((bp.val_size,), dtype)
-    flat = flat.at[jnp.asarray(bp.positions)].set(
-        _unmasked(x.val, x.mask).astype(dtype),
-        unique_indices=True,
-        mode="promise_in_bounds",
+
+    def slots(entries, fill):
+        flat = jnp.full((bp.val_size,), fill, entries.dtype)
+        flat = flat.at[jnp.asarray(bp.positions)].set(
+            entries, unique_indices=True, mode="promise_in_bounds"
+        )
+        return flat.reshape(n_diag, n_rows)
+
+    val = slots(_unmasked(x.val, x.mask).astype(dtype), 0)
+    mask = (
+        None if x.mask is None else slots(jnp.broadcast_to(x.mask, x.val.shape), True)
     )
-    return BandTensor(flat.reshape(n_diag, n_rows), bp, jnp.dtype(dtype))
+    return BandTensor(val, bp, jnp.dtype(dtype), mask)
 
 
 def to_coo(x: BandTensor) -> CooTensor:
     """`x` as exact coordinates (one gather)."""
     bp = x.pattern
-    return CooTensor(_take_last(x.val.reshape(-1), bp.positions), bp.exact, x.dtype)
+    val = _take_last(x.val.reshape(-1), bp.positions)
+    mask = None if x.mask is None else _take_last(x.mask.reshape(-1), bp.positions)
+    return CooTensor(val, bp.exact, x.dtype, mask)
 
 
 @functools.lru_cache(maxsize=256)
@@ -393,6 +408,8 @@ def band_product(a, b, plan: BandProductPlan, dtype):
     va, vb = ta.val.astype(dtype), tb.val.astype(dtype)
     n = plan.pattern.n_rows
     n_c = len(plan.pattern.offsets)
+    if ta.mask is not None or tb.mask is not None:
+        return _masked_band_product(ta, tb, plan, dtype)
     kbs = [kb for _, kb, _ in plan.terms]
     kcs = [kc for _, _, kc in plan.terms]
     if len(plan.band_a.offsets) == 1 and _contiguous(kbs) and _contiguous(kcs):
@@ -417,6 +434,37 @@ def band_product(a, b, plan: BandProductPlan, dtype):
     if not mask.all():
         val = jnp.where(jnp.asarray(mask), val, jnp.zeros((), dtype))
     return BandTensor(val, plan.pattern, jnp.dtype(dtype))
+
+
+def _live_slots(x: BandTensor) -> Array:
+    """Where `x` stores a slot of its exact pattern that is not selected away."""
+    live = jnp.asarray(x.pattern.stored)
+    if x.mask is not None:
+        live = lax.bitwise_and(live, lax.bitwise_not(x.mask))
+    return live
+
+
+def _masked_band_product(ta: BandTensor, tb: BandTensor, plan, dtype) -> BandTensor:
+    """`band_product` where a slot is selected away: each term is selected, and a
+    slot of the result is selected away when all of its terms are."""
+    va, vb = ta.val.astype(dtype), tb.val.astype(dtype)
+    la, lb = _live_slots(ta), _live_slots(tb)
+    n = plan.pattern.n_rows
+    acc: dict[int, Array] = {}
+    live: dict[int, Array] = {}
+    for ka, kb, kc in plan.terms:
+        da = plan.band_a.offsets[ka]
+        term_live = lax.bitwise_and(la[ka], _shifted_rows(lb[kb : kb + 1], da, n)[0])
+        term = va[ka] * _shifted_rows(vb[kb : kb + 1], da, n)[0]
+        term = lax.select(term_live, term, lax.full_like(term, 0))
+        acc[kc] = term if kc not in acc else acc[kc] + term
+        live[kc] = term_live if kc not in live else lax.bitwise_or(live[kc], term_live)
+    zeros, dead = jnp.zeros((n,), dtype), jnp.zeros((n,), bool)
+    val = jnp.stack([acc.get(k, zeros) for k in range(len(plan.pattern.offsets))])
+    alive = jnp.stack([live.get(k, dead) for k in range(len(plan.pattern.offsets))])
+    stored = jnp.asarray(plan.pattern.stored)
+    val = jnp.where(stored, val, jnp.zeros((), dtype))
+    return BandTensor(val, plan.pattern, jnp.dtype(dtype), lax.bitwise_not(alive))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -465,4 +513,19 @@ def band_add(a, b, plan: BandSumPlan, dtype):
             else:
                 rows.append(xa if xb is None else xa + xb)
         val = jnp.stack(rows)
-    return BandTensor(val, plan.pattern, jnp.dtype(dtype))
+    mask = None
+    if ta.mask is not None or tb.mask is not None:
+        # Selected away where neither term has a live slot.
+        la, lb = _live_slots(ta), _live_slots(tb)
+        live = lax.bitwise_or(_place_slots(la, at_a, n_c), _place_slots(lb, at_b, n_c))
+        mask = lax.bitwise_not(live)
+    return BandTensor(val, plan.pattern, jnp.dtype(dtype), mask)
+
+
+def _place_slots(live: Array, at: list[int], n_c: int) -> Array:
+    """Rows of `live` at rows `at` of an `(n_c, n)` array, false elsewhere."""
+    out = [None] * n_c
+    for j, k in enumerate(at):
+        out[k] = live[j]
+    dead = jnp.zeros(live.shape[1:], bool)
+    return jnp.stack([dead if row is None else row for row in out])

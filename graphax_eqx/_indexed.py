@@ -39,6 +39,7 @@ from ._sparse import (
     _transpose,
     batched_bcoo,
     batched_dense,
+    full_mask,
     make_pattern,
     vmapped_axes,
 )
@@ -447,7 +448,8 @@ def to_labeled(ct: CooTensor) -> SparseTensor:
     val = _transpose(_scatter_free(ct.val, p, 0), perm)
     mask = None
     if ct.mask is not None:
-        mask = _transpose(_scatter_free(ct.mask, p, False), perm)
+        # Entries off the coordinates hold no term: selected away too.
+        mask = _transpose(_scatter_free(ct.mask, p, True), perm)
     return SparseTensor(_cast(val, ct.dtype), pattern, ct.dtype, mask)
 
 
@@ -505,8 +507,10 @@ def to_coo(st: SparseTensor) -> CooTensor:
     coo, convert = _coo_of_labeled(st.pattern)
     if st.val is None:
         return CooTensor(None, coo.with_varying((False,) * len(coo.ties)), st.dtype)
-    mask = None if st.mask is None else convert(st.mask)
-    return CooTensor(convert(st.val), coo, st.dtype, mask)
+    mask = full_mask(st)
+    return CooTensor(
+        convert(st.val), coo, st.dtype, None if mask is None else convert(mask)
+    )
 
 
 #
@@ -900,6 +904,7 @@ def coo_product(a: CooTensor, b: CooTensor, plan: CooProductPlan, dtype):
         factors.append(_cast(aligned[0], dtype))
         if len(aligned) == 2:
             masks.append(aligned[1])
+    out_mask = None
     if not factors:
         if plan.counts is None:
             val = None
@@ -909,11 +914,17 @@ def coo_product(a: CooTensor, b: CooTensor, plan: CooProductPlan, dtype):
         val = factors[0]
         for f in factors[1:]:
             val = lax.mul(val, f)
-        for m in masks:
-            val = lax.select(m, lax.full_like(val, 0), val)
+        out_mask = None
+        if masks:
+            out_mask = masks[0] if len(masks) == 1 else lax.bitwise_or(*masks)
+            val = lax.select(out_mask, lax.full_like(val, 0), val)
         if plan.seg is not None:
             val = _segment_sum_last(val, plan.seg, p.nnz)
-    out = CooTensor(val, p, jnp.dtype(dtype))
+            if out_mask is not None:
+                # Selected away where every term of the entry is.
+                live = lax.bitwise_not(out_mask).astype(np.int32)
+                out_mask = _segment_sum_last(live, plan.seg, p.nnz) == 0
+    out = CooTensor(val, p, jnp.dtype(dtype), out_mask)
     if plan.densify:
         return to_labeled(out)
     return out
@@ -1002,6 +1013,17 @@ def coo_sum_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
     )
 
 
+def _live_entries(x: CooTensor) -> CooTensor:
+    """One where `x` stores an entry that is not selected away, zero elsewhere."""
+    if x.val is None:
+        return CooTensor(None, x.pattern, jnp.dtype(np.float32))
+    mask = x.mask
+    live = jnp.ones(x.val.shape, np.float32)
+    if mask is not None:
+        live = lax.bitwise_not(jnp.broadcast_to(mask, x.val.shape)).astype(np.float32)
+    return CooTensor(live, x.pattern, jnp.dtype(np.float32))
+
+
 def coo_add(a: CooTensor, b: CooTensor, plan: CooSumPlan, dtype):
     p = plan.coo
     res_vary = tuple(p.tie_sizes[t] for t, v in enumerate(p.varying) if v)
@@ -1041,7 +1063,14 @@ def coo_add(a: CooTensor, b: CooTensor, plan: CooSumPlan, dtype):
         val = terms[0] if len(terms) == 1 else lax.add(*terms)
         if flat and len(terms) == 1:
             _SUMS.terms[id(val)] = (val, tuple(composed))
-    out = CooTensor(val, p, jnp.dtype(dtype))
+    mask = None
+    if a.mask is not None or b.mask is not None:
+        # Selected away where neither term stores a live entry.
+        unstored = dataclasses.replace(plan, densify=False)
+        live = coo_add(_live_entries(a), _live_entries(b), unstored, np.float32)
+        assert live.val is not None
+        mask = lax.eq(live.val, lax.full_like(live.val, 0))
+    out = CooTensor(val, p, jnp.dtype(dtype), mask)
     if plan.densify:
         return to_labeled(out)
     return out

@@ -261,11 +261,14 @@ class SparseTensor(BlockShape, eqx.Module):
     - `val`: the value array, or `None` when every stored entry is exactly one.
     - `pattern`: the static `graphax_eqx._sparse.Pattern`.
     - `dtype`: the dtype of the Jacobian.
-    - `mask`: `None`, or a boolean array shaped like `val` marking *selected-away*
-        entries: zeros that come from a selection (`jnp.where`, a custom rule that
-        ignores its tangent), not from a multiplication. A product with such an
-        entry is exactly zero even when the other factor is infinite or NaN, as in
-        JAX, where the selection discards the other branch's derivative.
+    - `mask`: `None`, or a boolean array marking *selected-away* entries: zeros
+        that come from a selection (`jnp.where`, a custom rule that ignores its
+        tangent), not from a multiplication. A product with such an entry is exactly
+        zero even when the other factor is infinite or NaN, as in JAX, where the
+        selection discards the other branch's derivative. It has the axes of `val`,
+        each either of `val`'s size or of size one (where it does not vary), and
+        products carry it on: an entry of a product is selected away when every
+        term that makes it is. Stored values are zero where it is true.
     """
 
     val: Array | None
@@ -393,7 +396,16 @@ def with_mask(st: SparseTensor, mask: Array | None) -> SparseTensor:
     if mask is None or st.val is None:
         return st
     assert tuple(jnp.shape(mask)) == tuple(st.val.shape), (jnp.shape(mask), st)
-    return SparseTensor(st.val, st.pattern, st.dtype, jnp.asarray(mask, bool))
+    mask = jnp.asarray(mask, bool)
+    val = lax.select(mask, lax.full_like(st.val, 0), st.val)
+    return SparseTensor(val, st.pattern, st.dtype, mask)
+
+
+def full_mask(x) -> Array | None:
+    """The mask of a partial broadcast to the shape of its value array."""
+    if x.mask is None or tuple(x.mask.shape) == tuple(x.val.shape):
+        return x.mask
+    return jnp.broadcast_to(x.mask, x.val.shape)
 
 
 def diagonal(val: Array | None, shape: tuple[int, ...], dtype=None) -> SparseTensor:
@@ -748,6 +760,26 @@ def _sparse_product_plan(pa: Pattern, pb: Pattern, a_val: bool, b_val: bool):
     return _ProductPlan(pattern, "einsum", muls, a_sub, b_sub, out_sub, factor)
 
 
+def _apply_masked(apply, val: Array, st: SparseTensor, refined: Pattern):
+    """`apply(val)` for a linear map met by the refined values of `st`, and the
+    result's mask when `st` has one.
+
+    The map is also applied to a probe that is NaN on the entries of `st` that are
+    stored and not selected away, and zero elsewhere: an entry of the result that
+    no such entry reaches is made only of selected-away terms.
+    """
+    out = apply(val)
+    mask = full_mask(st)
+    if mask is None:
+        return out, None
+    assert st.val is not None
+    nan = lax.full_like(st.val, jnp.nan)
+    probe = SparseTensor(_select_away(nan, mask), st.pattern, st.dtype)
+    reached = apply(refine(probe, refined).val)
+    out_mask = lax.eq(reached, reached)
+    return _select_away(out, out_mask), out_mask
+
+
 def _apply_leading(fn, x: Array, n: int) -> Array:
     """Apply `fn` to the leading `n` axes of `x`, vmapped over the trailing ones."""
     rest = tuple(x.shape[n:])
@@ -854,15 +886,17 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
         assert plan.refined is not None
         val = refine(b, plan.refined).val
         assert val is not None
-        val = _apply_leading(a.fn, val, len(b.out_shape))
-        return SparseTensor(_cast(val, dtype), plan.pattern, dtype), plan.muls
+        apply = functools.partial(_apply_leading, a.fn, n=len(b.out_shape))
+        val, mask = _apply_masked(apply, val, b, plan.refined)
+        return SparseTensor(_cast(val, dtype), plan.pattern, dtype, mask), plan.muls
     if plan.kind == "apply-linear":
         assert isinstance(a, SparseTensor) and isinstance(b, LinearMap)
         assert plan.refined is not None
         val = refine(a, plan.refined).val
         assert val is not None
-        val = _apply_trailing(b.tfn, val, len(a.in_shape))
-        return SparseTensor(_cast(val, dtype), plan.pattern, dtype), plan.muls
+        apply = functools.partial(_apply_trailing, b.tfn, n=len(a.in_shape))
+        val, mask = _apply_masked(apply, val, a, plan.refined)
+        return SparseTensor(_cast(val, dtype), plan.pattern, dtype, mask), plan.muls
     assert isinstance(a, SparseTensor) and isinstance(b, SparseTensor)
     operands, subs = [], []
     if a_val:
@@ -871,15 +905,22 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
     if b_val:
         operands.append(b.val)
         subs.append(plan.b_sub)
-    # Selected-away entries stay exactly zero, whatever they multiply. Only where an
-    # entry meets single terms (nothing of its operand is summed over).
-    masks = [
-        (x.mask, sub)
-        for x, has, sub in ((a, a_val, plan.a_sub), (b, b_val, plan.b_sub))
-        if has and x.mask is not None and set(sub) <= set(plan.out_sub)
-    ]
+    # Selected-away entries stay exactly zero, whatever they multiply.
+    masks, owners = [], []
+    for x, sub, at in ((a, plan.a_sub, 0), (b, plan.b_sub, int(a_val))):
+        if has_val(x) and x.mask is not None:
+            masks.append(_compact_mask(x.mask, sub))
+            owners.append(at)
+    out_mask = None
     if not operands:
         val = None if plan.factor == 1 else jnp.asarray(plan.factor, dtype)
+    elif not all(set(sub) <= set(plan.out_sub) for _, sub in masks):
+        operands = [_cast(x, dtype) for x in operands]
+        val, out_mask = _masked_contraction(
+            operands, subs, masks, owners, plan.out_sub, dtype
+        )
+        if plan.factor != 1:
+            val = lax.mul(val, lax.full_like(val, plan.factor))
     else:
         operands = [_cast(x, dtype) for x in operands]
         if len(operands) == 1:
@@ -896,13 +937,77 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
         val = _cast(val, dtype)
         if plan.factor != 1:
             val = lax.mul(val, lax.full_like(val, plan.factor))
-        for mask, sub in masks:
-            mask = _align(mask, sub, plan.out_sub)
-            dims = tuple(plan.out_sub.index(c) for c in plan.out_sub if c in sub)
-            if tuple(mask.shape) != tuple(val.shape):
-                mask = lax.broadcast_in_dim(mask, tuple(val.shape), dims)
-            val = lax.select(mask, lax.full_like(val, 0), val)
-    return SparseTensor(val, plan.pattern, jnp.dtype(dtype)), plan.muls
+        if masks:
+            # Every term of an entry shares the selected factor.
+            out_mask = _union_mask(masks, plan.out_sub, tuple(val.shape))
+            val = _select_away(val, out_mask)
+    return SparseTensor(val, plan.pattern, jnp.dtype(dtype), out_mask), plan.muls
+
+
+def _compact_mask(mask: Array, sub: str) -> tuple[Array, str]:
+    """`mask` without the axes it is broadcast along, and the letters it keeps."""
+    keep = [k for k, size in enumerate(mask.shape) if size != 1]
+    letters = "".join(sub[k] for k in keep)
+    return lax.reshape(mask, tuple(mask.shape[k] for k in keep)), letters
+
+
+def _union_mask(masks, out_sub: str, shape: tuple[int, ...]) -> Array:
+    """The union of compact masks laid out over `out_sub` (of full sizes `shape`),
+    with size-one axes where none of them varies."""
+    varying = set("".join(sub for _, sub in masks))
+    target = tuple(n if c in varying else 1 for c, n in zip(out_sub, shape))
+    out = None
+    for mask, sub in masks:
+        dims = tuple(out_sub.index(c) for c in out_sub if c in sub)
+        mask = lax.broadcast_in_dim(_align(mask, sub, out_sub), target, dims)
+        out = mask if out is None else lax.bitwise_or(out, mask)
+    assert out is not None
+    return out
+
+
+def _select_away(val: Array, mask: Array | None) -> Array:
+    """`val` set to zero where `mask` (broadcastable to it) is true."""
+    if mask is None:
+        return val
+    if tuple(mask.shape) != tuple(val.shape):
+        mask = jnp.broadcast_to(mask, val.shape)
+    return lax.select(mask, lax.full_like(val, 0), val)
+
+
+def _masked_contraction(operands, subs, masks, owners, out_sub: str, dtype):
+    """The contraction of `operands` into `out_sub` where a mask varies along a
+    summed letter, and its mask: an entry is selected away when all its terms are.
+
+    A selection along summed letters is moved onto the other operand (its factor in
+    those terms is set to zero too), so that the contraction stays one product. Where
+    it cannot be moved, every term is formed and selected, then summed.
+    """
+    sizes = {}
+    for x, sub in zip(operands, subs, strict=True):
+        sizes.update(zip(sub, x.shape, strict=True))
+    summed = "".join(sorted(set("".join(subs)) - set(out_sub)))
+    every = out_sub + summed
+    axes = tuple(range(len(out_sub), len(every)))
+    term_mask = _union_mask(masks, every, tuple(sizes[c] for c in every))
+    out_mask = jnp.all(term_mask, axis=axes)
+    if len(operands) == 1:
+        # Selected-away entries are zeros that nothing multiplies: sum as usual.
+        return einsum1(operands[0], subs[0], out_sub), out_mask
+    moved = list(operands)
+    for (mask, letters), owner in zip(masks, owners, strict=True):
+        if not set(letters) & set(summed):
+            continue  # selected away on the result
+        other = 1 - owner
+        if not set(letters) <= set(subs[other]):
+            terms = _multiply_aligned(operands, subs, every, sizes)
+            terms = _select_away(terms, term_mask)
+            return _select_away(jnp.sum(terms, axis=axes), out_mask), out_mask
+        shape = tuple(moved[other].shape)
+        moved[other] = _select_away(
+            moved[other], _union_mask([(mask, letters)], subs[other], shape)
+        )
+    val = einsum2(moved[0], subs[0], moved[1], subs[1], out_sub, dtype)
+    return _select_away(val, out_mask), out_mask
 
 
 #
@@ -923,7 +1028,9 @@ def sum_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
         sa = pa.size if isinstance(pa, LinearPattern) else 1
         sb = pb.size if isinstance(pb, LinearPattern) else 1
         lazy = LinearPattern(pa.out_shape, pa.in_shape, ma + mb, sa + sb)
-        if not should_materialise(lazy):
+        if not should_materialise(lazy) and not (
+            _mostly_stored(pa, a_val) or _mostly_stored(pb, b_val)
+        ):
             return lazy, 0
         # Store both terms and add them.
         dense_p = dense_pattern(pa.out_shape, pa.in_shape)
@@ -958,6 +1065,20 @@ def sum_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
     return target, target.val_size
 
 
+def _mostly_stored(p: AnyPattern, has_val: bool) -> bool:
+    """Whether `p` stores at least half of a dense block with values that mix.
+
+    Such a block is not kept inside a sum of linear maps: applying it to the unit
+    basis when the sum is stored would multiply each of its entries by zeros, and an
+    infinite one would spread NaN across its row. The map is stored instead, which
+    costs no more memory than the block."""
+    if not isinstance(p, Pattern) or not has_val:
+        return False
+    if p.is_diagonal_on_in() and p.is_diagonal_on_out():
+        return False
+    return 2 * p.val_size >= math.prod(p.out_shape) * math.prod(p.in_shape)
+
+
 def add(a: Partial, b: Partial) -> tuple[Partial, int]:
     """`A + B`; returns the sum and its number of additions."""
     a_val, b_val = has_val(a), has_val(b)
@@ -981,7 +1102,21 @@ def add(a: Partial, b: Partial) -> tuple[Partial, int]:
     va = _broadcast_val(a, target.val_labels, target)
     vb = _broadcast_val(b, target.val_labels, target)
     va, vb = _cast(jnp.asarray(va), dtype), _cast(jnp.asarray(vb), dtype)
-    return SparseTensor(lax.add(va, vb), target, jnp.dtype(dtype)), adds
+    mask = None
+    if a.mask is not None or b.mask is not None:
+        # Selected away where neither term stores a live entry.
+        mask = lax.bitwise_not(lax.bitwise_or(_live(a, target), _live(b, target)))
+    return SparseTensor(lax.add(va, vb), target, jnp.dtype(dtype), mask), adds
+
+
+def _live(st: SparseTensor, target: Pattern) -> Array:
+    """Where `st`, laid out in `target`, stores an entry that is not selected away."""
+    ind = None
+    if st.val is not None:
+        mask = full_mask(st)
+        ind = jnp.ones(st.val.shape, bool) if mask is None else lax.bitwise_not(mask)
+    live = SparseTensor(ind, st.pattern, jnp.dtype(bool))
+    return _broadcast_val(live, target.val_labels, target).astype(bool)
 
 
 #

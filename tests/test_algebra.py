@@ -21,6 +21,7 @@ from graphax_eqx._sparse import (
     linear_map,
     product,
     to_sparse,
+    with_mask,
 )
 
 
@@ -134,3 +135,64 @@ def test_sparse_tensor_is_a_pytree_through_jit():
 def test_sim_edge_of_identity_has_no_values():
     st = from_labeled(None, (), (4,), (4,), (0, 0), jnp.float32)
     assert sim_edge(st) == SimEdge(st.pattern, False)
+
+
+def _with_random_mask(rng, st, nonfinite: bool):
+    """`st` with a random selection mask, or with infinities and NaN in its values."""
+    if st.val is None or st.val.ndim == 0:
+        return st
+    if nonfinite:
+        bad = rng.choice(
+            [0.0, np.inf, -np.inf, np.nan], size=st.val.shape, p=[0.6, 0.1, 0.1, 0.2]
+        )
+        val = jnp.where(bad == 0, st.val, jnp.asarray(bad))
+        return SparseTensor(val, st.pattern, st.dtype)
+    return with_mask(st, jnp.asarray(rng.random(st.val.shape) < 0.4))
+
+
+def _terms(st):
+    """Dense value, and where a term exists and is not selected away."""
+    ones = SparseTensor(
+        None if st.val is None else jnp.ones_like(st.val), st.pattern, st.dtype
+    )
+    live = ones.dense() != 0
+    if st.mask is not None:
+        masked = SparseTensor(st.mask.astype(st.dtype), st.pattern, st.dtype).dense()
+        live = live & (masked == 0)
+    return st.dense(), live
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_selected_away_entries_stay_zero_through_products(seed):
+    """A selection discards whatever its entry would multiply, in every association,
+    as `jnp.where` discards the other branch's derivative in JAX."""
+    rng = np.random.default_rng(500 + seed)
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x, w, v, u = (_shape(rng) for _ in range(4))
+    if rng.random() < 0.5:
+        w = x
+    if rng.random() < 0.5:
+        v = w
+    if rng.random() < 0.5:
+        u = v
+    a = _with_random_mask(rng, _random_partial(rng, x, w, keys[0]), False)
+    b = _with_random_mask(rng, _random_partial(rng, w, v, keys[1]), False)
+    c = _with_random_mask(rng, _random_partial(rng, v, u, keys[2]), True)
+    (ad, al), (bd, bl), (cd, cl) = _terms(a), _terms(b), _terms(c)
+    letters = "abcdefghijkl"
+    sx, sw = letters[: len(x)], letters[len(x) : len(x) + len(w)]
+    sv = letters[len(x) + len(w) : len(x) + len(w) + len(v)]
+    su = letters[len(x) + len(w) + len(v) : len(x) + len(w) + len(v) + len(u)]
+    spec = f"{sx}{sw},{sw}{sv},{sv}{su}->{sx}{sw}{sv}{su}"
+    terms = jnp.einsum(spec, ad, bd, cd)
+    live = jnp.einsum(spec, al, bl, cl)
+    axes = tuple(range(len(x), len(x) + len(w) + len(v)))
+    expected = np.asarray(jnp.sum(jnp.where(live, terms, 0.0), axis=axes))
+    for abc in (product(product(a, b)[0], c)[0], product(a, product(b, c)[0])[0]):
+        got = np.asarray(to_sparse(abc).dense())
+        # Infinities may meet in another association; NaN only where they do.
+        finite = np.isfinite(expected)
+        assert not (np.isnan(got) & finite).any()
+        np.testing.assert_allclose(
+            got[finite], expected[finite], rtol=1e-12, atol=1e-12
+        )

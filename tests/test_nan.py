@@ -153,3 +153,115 @@ def test_clip_discards_an_infinite_partial(order):
     x = jnp.array([0.0, 1.5, 4.0])
     fwd, rev = jax.jacfwd(f)(x), jax.jacrev(f)(x)
     _check(gx.jacve(f, order=order)(x), fwd, rev, order)
+
+
+# Selections after index maps: the selected-away entries must stay exactly zero
+# through every later product, whichever way the elimination associates them.
+
+_BEFORE_SELECTION = {
+    "cumsum": jnp.cumsum,
+    "reverse_cumsum": lambda a: jnp.cumsum(a[::-1])[::-1],
+    "cumprod": jnp.cumprod,
+    "sort": jnp.sort,
+    "window_sum": lambda a: jax.lax.reduce_window(
+        a, 0.0, jax.lax.add, (3,), (1,), "SAME"
+    ),
+    "stencil": lambda a: jnp.pad(a[2:] - 2 * a[1:-1] + a[:-2], 1),
+}
+
+
+@pytest.mark.parametrize("n", [4, 40])
+@pytest.mark.parametrize("name", sorted(_BEFORE_SELECTION))
+@pytest.mark.parametrize("sparse", [False, True])
+def test_selection_after_an_index_map(name, n, sparse):
+    inner = _BEFORE_SELECTION[name]
+
+    def f(x):
+        t = inner(x)
+        return jnp.where(t > 0, jnp.sqrt(t), 0.0)
+
+    x = jnp.asarray(np.resize([0.5, -0.8, -0.4, 0.9, 0.0, -1.5, 2.0], n))
+    with np.errstate(all="ignore"):
+        fwd, rev = jax.jacfwd(f)(x), jax.jacrev(f)(x)
+        for order in _ORDERS + ["min_fill", "auto"]:
+            jac = gx.jacve(f, order=order, sparse_representation=sparse)
+            for jit in (False, True):
+                result = (jax.jit(jac) if jit else jac)(x)
+                result = result.dense() if sparse else result
+                _check(result, fwd, rev, f"{name}, n={n}, {order}, jit={jit}")
+
+
+def _stencil(a):
+    return jnp.pad(a[2:] - 2 * a[1:-1] + a[:-2], 1)
+
+
+def _upwind(u):
+    back = jnp.pad(u[1:] - u[:-1], (1, 0))
+    ahead = jnp.pad(u[1:] - u[:-1], (0, 1))
+    return jnp.where(u > 0, jnp.sqrt(u) * back, ahead * u)
+
+
+@pytest.mark.parametrize("order", _ORDERS)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_selection_on_banded_partials(order, sparse):
+    """Upwinding with a square root on one side, at a size where the stencils are
+    stored as bands."""
+
+    def f(x):
+        return _upwind(_stencil(x) + x)
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.choice([0.0, 1.0, -1.0, 0.5, -0.5, 2.0], size=1100))
+    with np.errstate(all="ignore"):
+        fwd, rev = jax.jacfwd(f)(x), jax.jacrev(f)(x)
+        result = gx.jacve(f, order=order, sparse_representation=sparse)(x)
+        result = result.dense() if sparse else result
+        _check(result, fwd, rev, order)
+
+
+_INDEX_STEPS = {
+    "sqrt": jnp.sqrt,
+    "log": jnp.log,
+    "recip": lambda a: 1.0 / a,
+    "relu": jax.nn.relu,
+    "where_sqrt": lambda a: jnp.where(a > 0, jnp.sqrt(a), 0.0),
+    "where_log": lambda a: jnp.where(a > 0.1, jnp.log(a), a),
+    "cumsum": jnp.cumsum,
+    "sort": jnp.sort,
+    "roll": lambda a: jnp.roll(a, 2),
+    "stencil": _stencil,
+    "gather": lambda a: a[np.arange(a.shape[0])[::-1] // 2 * 2],
+    "segment_sum": lambda a: jax.ops.segment_sum(
+        a, np.arange(a.shape[0]) % 3, a.shape[0]
+    ),
+    "scatter": lambda a: a.at[np.array([1, 3, 1])].set(jnp.sin(a[:3])),
+    "matmul": lambda a: (
+        jnp.asarray(np.random.default_rng(a.shape[0]).normal(size=(a.shape[0],) * 2))
+        @ a
+    ),
+    "mul": lambda a: a * a[::-1],
+    "select": lambda a: jnp.where(a > 0.2, a[::-1], 0.0),
+}
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_index_programs_at_singular_points(seed):
+    rng = np.random.default_rng(10_000 + seed)
+    names = [str(rng.choice(sorted(_INDEX_STEPS))) for _ in range(rng.integers(2, 6))]
+    picks = [int(rng.integers(0, 10**6)) for _ in names]
+
+    def f(x):
+        pool = [x]
+        for name, pick in zip(names, picks):
+            pool.append(_INDEX_STEPS[name](pool[pick % len(pool)]))
+        return pool[-1] + 0.5 * pool[-2]
+
+    n = int(rng.choice([5, 24]))
+    x = jnp.asarray(rng.choice(_SPECIAL, size=n))
+    with np.errstate(all="ignore"):
+        fwd, rev = jax.jacfwd(f)(x), jax.jacrev(f)(x)
+        for order in _ORDERS + ["min_fill", "auto"]:
+            for sparse in (False, True):
+                result = gx.jacve(f, order=order, sparse_representation=sparse)(x)
+                result = result.dense() if sparse else result
+                _check(result, fwd, rev, f"{names} at {x}, {order}, {sparse}")
