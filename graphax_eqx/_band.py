@@ -450,6 +450,21 @@ def _masked_band_product(ta: BandTensor, tb: BandTensor, plan, dtype) -> BandTen
     va, vb = ta.val.astype(dtype), tb.val.astype(dtype)
     la, lb = _live_slots(ta), _live_slots(tb)
     n = plan.pattern.n_rows
+    n_c = len(plan.pattern.offsets)
+    kbs = [kb for _, kb, _ in plan.terms]
+    kcs = [kc for _, _, kc in plan.terms]
+    stored = jnp.asarray(plan.pattern.stored)
+    if len(plan.band_a.offsets) == 1 and _contiguous(kbs) and _contiguous(kcs):
+        # One diagonal of A: every diagonal of B at once, as in `band_product`.
+        da = plan.band_a.offsets[0]
+        block = _shifted_rows(vb[kbs[0] : kbs[-1] + 1], da, n)
+        hit = jnp.logical_and(
+            la[0][None, :], _shifted_rows(lb[kbs[0] : kbs[-1] + 1], da, n)
+        )
+        term = lax.select(hit, va[0][None, :] * block, lax.full_like(block, 0))
+        val = jnp.where(stored, _place(term, kcs, n_c), jnp.zeros((), dtype))
+        mask = lax.bitwise_not(_place(hit, kcs, n_c))
+        return BandTensor(val, plan.pattern, jnp.dtype(dtype), mask)
     acc: dict[int, Array] = {}
     live: dict[int, Array] = {}
     for ka, kb, kc in plan.terms:
@@ -460,9 +475,8 @@ def _masked_band_product(ta: BandTensor, tb: BandTensor, plan, dtype) -> BandTen
         acc[kc] = term if kc not in acc else acc[kc] + term
         live[kc] = term_live if kc not in live else lax.bitwise_or(live[kc], term_live)
     zeros, dead = jnp.zeros((n,), dtype), jnp.zeros((n,), bool)
-    val = jnp.stack([acc.get(k, zeros) for k in range(len(plan.pattern.offsets))])
-    alive = jnp.stack([live.get(k, dead) for k in range(len(plan.pattern.offsets))])
-    stored = jnp.asarray(plan.pattern.stored)
+    val = jnp.stack([acc.get(k, zeros) for k in range(n_c)])
+    alive = jnp.stack([live.get(k, dead) for k in range(n_c)])
     val = jnp.where(stored, val, jnp.zeros((), dtype))
     return BandTensor(val, plan.pattern, jnp.dtype(dtype), lax.bitwise_not(alive))
 

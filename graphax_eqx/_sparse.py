@@ -1130,16 +1130,29 @@ def to_sparse(partial: Partial) -> SparseTensor:
         return partial
     p = partial.pattern
     n_in, n_out = math.prod(p.in_shape), math.prod(p.out_shape)
-    if n_in <= n_out:
-        eye = jnp.eye(n_in, dtype=partial.dtype).reshape((n_in,) + p.in_shape)
-        cols = jax.vmap(partial.fn)(eye)  # (n_in, *out)
-        val = jnp.moveaxis(cols.reshape((n_in,) + p.out_shape), 0, -1)
-        val = val.reshape(p.out_shape + p.in_shape)
-    else:
-        eye = jnp.eye(n_out, dtype=partial.dtype).reshape((n_out,) + p.out_shape)
-        rows = jax.vmap(partial.tfn)(eye)  # (n_out, *in)
-        val = rows.reshape(p.out_shape + p.in_shape)
-    return dense(val.astype(partial.dtype), p.out_shape, p.in_shape)
+
+    def basis_images(fill):
+        """The map applied to each basis vector (scaled by `fill`), as a block."""
+        n = min(n_in, n_out)
+        eye = jnp.eye(n, dtype=partial.dtype)
+        if fill is not None:
+            eye = _select_away(
+                lax.full_like(eye, fill), lax.eq(eye, lax.full_like(eye, 0))
+            )
+        if n_in <= n_out:
+            cols = jax.vmap(partial.fn)(eye.reshape((n,) + p.in_shape))
+            val = jnp.moveaxis(cols.reshape((n,) + p.out_shape), 0, -1)
+            return val.reshape(p.out_shape + p.in_shape)
+        rows = jax.vmap(partial.tfn)(eye.reshape((n,) + p.out_shape))
+        return rows.reshape(p.out_shape + p.in_shape)
+
+    st = dense(basis_images(None).astype(partial.dtype), p.out_shape, p.in_shape)
+    if n_in * n_out <= _MATERIALISE_ENTRIES:
+        # Entries the map never reaches hold no term (a NaN basis shows them): kept
+        # as selected-away zeros, they stay zero against an infinite partial.
+        reached = basis_images(jnp.nan)
+        st = with_mask(st, lax.eq(reached, reached))
+    return st
 
 
 def materialise_muls(p: LinearPattern) -> int:
