@@ -174,11 +174,6 @@ def _is_elementwise(p: Pattern) -> bool:
     return out == inn and len(set(out)) == k
 
 
-def _unmasked(val: Array, mask: Array | None) -> Array:
-    """`val` with its selected-away entries (see `graphax_eqx.SparseTensor`) zero."""
-    return val if mask is None else lax.select(mask, lax.full_like(val, 0), val)
-
-
 def to_band(x, bp: BandPattern, dtype) -> BandTensor:
     """A partial whose pattern `band_of` maps to `bp`, as a `BandTensor`."""
     if isinstance(x, BandTensor):
@@ -186,8 +181,9 @@ def to_band(x, bp: BandPattern, dtype) -> BandTensor:
     n_diag, n_rows = len(bp.offsets), bp.n_rows
     if isinstance(x, SparseTensor):
         # One axis, elementwise: its (broadcast) value is the main diagonal.
+        # Stored values are already zero where selected away.
         mask = full_mask(x)
-        diag = _unmasked(_broadcast_val(x, (0,)), mask)
+        diag = _broadcast_val(x, (0,))
         if mask is not None:
             selected = SparseTensor(mask, x.pattern, jnp.dtype(bool))
             mask = _broadcast_val(selected, (0,)).reshape(1, n_rows)
@@ -209,7 +205,7 @@ def to_band(x, bp: BandPattern, dtype) -> BandTensor:
         )
         return flat.reshape(n_diag, n_rows)
 
-    val = slots(_unmasked(x.val, x.mask).astype(dtype), 0)
+    val = slots(x.val.astype(dtype), 0)
     mask = (
         None if x.mask is None else slots(jnp.broadcast_to(x.mask, x.val.shape), True)
     )
@@ -408,32 +404,50 @@ def band_product(a, b, plan: BandProductPlan, dtype):
     va, vb = ta.val.astype(dtype), tb.val.astype(dtype)
     n = plan.pattern.n_rows
     n_c = len(plan.pattern.offsets)
-    if ta.mask is not None or tb.mask is not None:
-        return _masked_band_product(ta, tb, plan, dtype)
+    # Where an operand has selected-away slots, each term is selected too, and a slot
+    # of the result is selected away when all of its terms are.
+    masked = ta.mask is not None or tb.mask is not None
+    la, lb = _live_slots(ta), _live_slots(tb)  # constants unless masked
     kbs = [kb for _, kb, _ in plan.terms]
     kcs = [kc for _, _, kc in plan.terms]
+    live = None
     if len(plan.band_a.offsets) == 1 and _contiguous(kbs) and _contiguous(kcs):
         # One diagonal of A (an elementwise partial or a shift): every diagonal of B
         # at once, as one broadcast multiply.
         da = plan.band_a.offsets[0]
-        block = _shifted_rows(vb[kbs[0] : kbs[-1] + 1], da, n)
-        val = _place(va[0][None, :] * block, kcs, n_c)
+        block = va[0][None, :] * _shifted_rows(vb[kbs[0] : kbs[-1] + 1], da, n)
+        if masked:
+            hit = jnp.logical_and(
+                la[0][None, :], _shifted_rows(lb[kbs[0] : kbs[-1] + 1], da, n)
+            )
+            block = lax.select(hit, block, lax.full_like(block, 0))
+            live = _place(hit, kcs, n_c)
+        val = _place(block, kcs, n_c)
     else:
         acc: dict[int, Array] = {}
+        hits: dict[int, Array] = {}
         for ka, kb, kc in plan.terms:
             # Entry (r, r + da) of A meets row r + da of B's diagonal kb.
             da = plan.band_a.offsets[ka]
             term = va[ka] * _shifted_rows(vb[kb : kb + 1], da, n)[0]
+            if masked:
+                hit = lax.bitwise_and(la[ka], _shifted_rows(lb[kb : kb + 1], da, n)[0])
+                term = lax.select(hit, term, lax.full_like(term, 0))
+                hits[kc] = hit if kc not in hits else lax.bitwise_or(hits[kc], hit)
             acc[kc] = term if kc not in acc else acc[kc] + term
         zeros = jnp.zeros((n,), dtype)
         val = jnp.stack([acc.get(k, zeros) for k in range(n_c)])
+        if masked:
+            dead = jnp.zeros((n,), bool)
+            live = jnp.stack([hits.get(k, dead) for k in range(n_c)])
     # Slots off the exact pattern stay exactly zero, as coordinates would leave them
     # (a term reaches them only through a zero slot of an operand, which is not a
     # zero against an infinite partial).
-    mask = plan.pattern.stored
-    if not mask.all():
-        val = jnp.where(jnp.asarray(mask), val, jnp.zeros((), dtype))
-    return BandTensor(val, plan.pattern, jnp.dtype(dtype))
+    stored = plan.pattern.stored
+    if not stored.all():
+        val = jnp.where(jnp.asarray(stored), val, jnp.zeros((), dtype))
+    mask = None if live is None else lax.bitwise_not(live)
+    return BandTensor(val, plan.pattern, jnp.dtype(dtype), mask)
 
 
 def _live_slots(x: BandTensor) -> Array:
@@ -442,43 +456,6 @@ def _live_slots(x: BandTensor) -> Array:
     if x.mask is not None:
         live = lax.bitwise_and(live, lax.bitwise_not(x.mask))
     return live
-
-
-def _masked_band_product(ta: BandTensor, tb: BandTensor, plan, dtype) -> BandTensor:
-    """`band_product` where a slot is selected away: each term is selected, and a
-    slot of the result is selected away when all of its terms are."""
-    va, vb = ta.val.astype(dtype), tb.val.astype(dtype)
-    la, lb = _live_slots(ta), _live_slots(tb)
-    n = plan.pattern.n_rows
-    n_c = len(plan.pattern.offsets)
-    kbs = [kb for _, kb, _ in plan.terms]
-    kcs = [kc for _, _, kc in plan.terms]
-    stored = jnp.asarray(plan.pattern.stored)
-    if len(plan.band_a.offsets) == 1 and _contiguous(kbs) and _contiguous(kcs):
-        # One diagonal of A: every diagonal of B at once, as in `band_product`.
-        da = plan.band_a.offsets[0]
-        block = _shifted_rows(vb[kbs[0] : kbs[-1] + 1], da, n)
-        hit = jnp.logical_and(
-            la[0][None, :], _shifted_rows(lb[kbs[0] : kbs[-1] + 1], da, n)
-        )
-        term = lax.select(hit, va[0][None, :] * block, lax.full_like(block, 0))
-        val = jnp.where(stored, _place(term, kcs, n_c), jnp.zeros((), dtype))
-        mask = lax.bitwise_not(_place(hit, kcs, n_c))
-        return BandTensor(val, plan.pattern, jnp.dtype(dtype), mask)
-    acc: dict[int, Array] = {}
-    live: dict[int, Array] = {}
-    for ka, kb, kc in plan.terms:
-        da = plan.band_a.offsets[ka]
-        term_live = lax.bitwise_and(la[ka], _shifted_rows(lb[kb : kb + 1], da, n)[0])
-        term = va[ka] * _shifted_rows(vb[kb : kb + 1], da, n)[0]
-        term = lax.select(term_live, term, lax.full_like(term, 0))
-        acc[kc] = term if kc not in acc else acc[kc] + term
-        live[kc] = term_live if kc not in live else lax.bitwise_or(live[kc], term_live)
-    zeros, dead = jnp.zeros((n,), dtype), jnp.zeros((n,), bool)
-    val = jnp.stack([acc.get(k, zeros) for k in range(n_c)])
-    alive = jnp.stack([live.get(k, dead) for k in range(n_c)])
-    val = jnp.where(stored, val, jnp.zeros((), dtype))
-    return BandTensor(val, plan.pattern, jnp.dtype(dtype), lax.bitwise_not(alive))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -914,7 +914,6 @@ def coo_product(a: CooTensor, b: CooTensor, plan: CooProductPlan, dtype):
         val = factors[0]
         for f in factors[1:]:
             val = lax.mul(val, f)
-        out_mask = None
         if masks:
             out_mask = masks[0] if len(masks) == 1 else lax.bitwise_or(*masks)
             val = lax.select(out_mask, lax.full_like(val, 0), val)
