@@ -980,7 +980,10 @@ def _masked_contraction(operands, subs, masks, owners, out_sub: str, dtype):
 
     A selection along summed letters is moved onto the other operand (its factor in
     those terms is set to zero too), so that the contraction stays one product. Where
-    it cannot be moved, every term is formed and selected, then summed.
+    it cannot be moved (it also varies along a letter the other operand lacks), the
+    product is taken as it is: forming every term would cost a factor of the summed
+    size, and the selected entries are zero already, which is exact unless the other
+    factor is infinite there.
     """
     sizes = {}
     for x, sub in zip(operands, subs, strict=True):
@@ -999,9 +1002,7 @@ def _masked_contraction(operands, subs, masks, owners, out_sub: str, dtype):
             continue  # selected away on the result
         other = 1 - owner
         if not set(letters) <= set(subs[other]):
-            terms = _multiply_aligned(operands, subs, every, sizes)
-            terms = _select_away(terms, term_mask)
-            return _select_away(jnp.sum(terms, axis=axes), out_mask), out_mask
+            continue
         shape = tuple(moved[other].shape)
         moved[other] = _select_away(
             moved[other], _union_mask([(mask, letters)], subs[other], shape)
