@@ -1103,21 +1103,30 @@ def add(a: Partial, b: Partial) -> tuple[Partial, int]:
     va = _broadcast_val(a, target.val_labels, target)
     vb = _broadcast_val(b, target.val_labels, target)
     va, vb = _cast(jnp.asarray(va), dtype), _cast(jnp.asarray(vb), dtype)
+    # Selected away where neither term stores a live entry.
     mask = None
     if a.mask is not None or b.mask is not None:
-        # Selected away where neither term stores a live entry.
-        mask = lax.bitwise_not(lax.bitwise_or(_live(a, target), _live(b, target)))
+        dead_a, dead_b = _dead(a, target), _dead(b, target)
+        if dead_a is not None and dead_b is not None:
+            mask = lax.bitwise_and(dead_a, dead_b)
     return SparseTensor(lax.add(va, vb), target, jnp.dtype(dtype), mask), adds
 
 
-def _live(st: SparseTensor, target: Pattern) -> Array:
-    """Where `st`, laid out in `target`, stores an entry that is not selected away."""
+def _dead(st: SparseTensor, target: Pattern) -> Array | None:
+    """Where `st`, laid out in `target`, stores no entry or a selected-away one; None
+    where that is nowhere (no selection, and no tie that `target` separates)."""
+    separated = any(len(ts) == 2 for ts in _label_map(st.pattern, target).values())
+    if not separated:
+        if st.mask is None:
+            return None
+        selected = SparseTensor(full_mask(st), st.pattern, jnp.dtype(bool))
+        return _broadcast_val(selected, target.val_labels, target)
     ind = None
     if st.val is not None:
         mask = full_mask(st)
         ind = jnp.ones(st.val.shape, bool) if mask is None else lax.bitwise_not(mask)
     live = SparseTensor(ind, st.pattern, jnp.dtype(bool))
-    return _broadcast_val(live, target.val_labels, target).astype(bool)
+    return lax.bitwise_not(_broadcast_val(live, target.val_labels, target).astype(bool))
 
 
 #

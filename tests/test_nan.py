@@ -265,3 +265,40 @@ def test_random_index_programs_at_singular_points(seed):
                 result = gx.jacve(f, order=order, sparse_representation=sparse)(x)
                 result = result.dense() if sparse else result
                 _check(result, fwd, rev, f"{names} at {x}, {order}, {sparse}")
+
+
+def _linear_rule(fn, x):
+    return jax.linearize(fn, x)[1]
+
+
+@pytest.mark.parametrize(
+    "name, fn, selects",
+    [
+        ("log1p", jnp.log1p, False),
+        ("abs", jnp.abs, False),
+        ("atan2", lambda a: jnp.arctan2(a, 2.0), False),
+        ("max", lambda a: jnp.maximum(a, 0.3), False),
+        ("softplus", jax.nn.softplus, False),
+        ("relu", jax.nn.relu, True),
+        ("clip", lambda a: jnp.clip(a, -0.5, 0.5), False),  # multiplies by 0
+        ("where_zero", lambda a: jnp.where(a > 0, a, 0.0), True),
+        ("where_both", lambda a: jnp.where(a > 0, a, 2 * a), False),
+    ],
+)
+def test_selection_seen_on_the_rule(name, fn, selects):
+    """A rule is probed for selected-away entries only where its jaxpr can select
+    its seed away; elsewhere the partial carries no selection to propagate."""
+    from graphax_eqx._rules.elementwise import seed_reaches
+
+    x = jnp.linspace(-1.0, 1.0, 5)
+    assert seed_reaches(_linear_rule(fn, x), x) == [not selects]
+    # The Jacobian computes selections (boolean `not`s of probes) only with one; a
+    # `jnp.where` is a selection by its own rule, whatever its cases.
+    jaxpr = jax.make_jaxpr(gx.jacve(lambda a: jnp.sum(fn(jnp.sin(a))), order="rev"))(x)
+    computes_mask = any(e.primitive is jax.lax.not_p for e in jaxpr.jaxpr.eqns)
+    assert computes_mask == (selects or name == "where_both")
+    np.testing.assert_allclose(
+        gx.jacve(lambda a: fn(jnp.sin(a)), order="rev")(x),
+        jax.jacfwd(lambda a: fn(jnp.sin(a)))(x),
+        rtol=1e-6,
+    )

@@ -27,6 +27,7 @@ from .elementwise import (
     _broadcast_partial,
     elementwise_primitives,
     elementwise_zero,
+    seed_reaches,
     selected_away,
 )
 from .fallback import dense_jacobian
@@ -206,10 +207,13 @@ def _custom_rule(prim, use_vjp):
             # that they carry its sharding.
             _, pullback = jax.vjp(lambda *xs: f(xs, wrt), *[primals[i] for i in wrt])
             ones = pullback(lax.full_like(out, 1))
-            nans = pullback(lax.full_like(out, jnp.nan))
-            for i, one, nan in zip(wrt, ones, nans, strict=True):
+            reaches = seed_reaches(pullback, out)
+            nans = None if all(reaches) else pullback(lax.full_like(out, jnp.nan))
+            for k, (i, one) in enumerate(zip(wrt, ones, strict=True)):
                 diags[i] = one
-                masks[i] = lax.bitwise_not(lax.ne(nan, nan))
+                if not reaches[k]:
+                    assert nans is not None
+                    masks[i] = lax.bitwise_not(lax.ne(nans[k], nans[k]))
         for i in idx:
             x = primals[i]
             if i in diags:
