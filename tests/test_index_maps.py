@@ -389,6 +389,58 @@ _PRIMITIVE_CASES = [
         _inputs((3, 4, 5), (2, 3, 2, 3)),
         1,
     ),
+    # Several input and output features, grouped, with the input dilated and a
+    # channels-last layout, as `eqx.nn.Conv` layers and transposed convolutions use.
+    _case(
+        "conv_features_grouped_3d",
+        lambda x, k: jnp.sin(
+            lax.conv_general_dilated(
+                x[None],
+                k * k,
+                (1, 1),
+                ((0, 1), (1, 1)),
+                lhs_dilation=(1, 2),
+                feature_group_count=3,
+            )
+        ),
+        _inputs((3, 4, 5), (6, 1, 2, 3)),
+        (0, 1),
+    ),
+    _case(
+        "conv_channels_last_3d",
+        _smooth(
+            lambda x: lax.conv_general_dilated(
+                x[None],
+                jnp.asarray(np.random.default_rng(3).normal(size=(3, 2, 5, 4))),
+                (2, 1),
+                ((1, 1), (0, 2)),
+                dimension_numbers=("NHWC", "HWIO", "NCHW"),
+            )
+        ),
+        _X3,
+    ),
+    # Windowed sums: pooling, strides, padding and both dilations.
+    _case(
+        "avg_pool_3d",
+        _smooth(
+            lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 2, 2), (1, 2, 1), "VALID")
+        ),
+        _X3,
+    ),
+    _case(
+        "window_sum_padded_dilated_2d",
+        _smooth(
+            lambda x: lax.reduce_window(
+                x, 0.0, lax.add, (3, 2), (1, 2), ((2, 0), (1, 1)), (1, 2), (2, 1)
+            )
+        ),
+        _X2,
+    ),
+    _case(
+        "window_sum_same_1d",
+        _smooth(lambda x: lax.reduce_window(x, 0.0, lax.add, (4,), (1,), "SAME")),
+        _X1,
+    ),
     # Selection with a constant mask.
     _case(
         "where_mask_2d",
@@ -599,7 +651,21 @@ def test_chain(fun, build, argnums, order, sparse):
 # These programs have no accidental zeros for inputs in [0.5, 1.5]: every entry that
 # can be nonzero by structure is nonzero in value, so `jax.jacfwd`'s count of nonzero
 # entries is the structural count.
-_NO_ACCIDENTAL_ZEROS = [_STENCIL, _LAPLACIAN, _BRATU, _FLUX, _HEAT]
+_POOL = _case(
+    "pool_twice",
+    _smooth(
+        lambda x: lax.reduce_window(
+            jnp.cos(lax.reduce_window(x, 0.0, lax.add, (2, 2), (1, 1), "SAME")),
+            0.0,
+            lax.add,
+            (2, 3),
+            (2, 1),
+            "VALID",
+        )
+    ),
+    _X2,
+)
+_NO_ACCIDENTAL_ZEROS = [_STENCIL, _LAPLACIAN, _BRATU, _FLUX, _HEAT, _POOL]
 
 
 @pytest.mark.parametrize("order", _ORDERS)
@@ -959,3 +1025,70 @@ def test_constant_coefficients_are_not_gathered_through_broadcasts():
                 src = source(e.invars[0])
                 assert src is None or src.primitive.name != "broadcast_in_dim", order
         _assert_close(fn(x).dense(), jax.jacfwd(_periodic_laplacian)(x))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_convolution_entries_from_parameters(seed):
+    """The entries of a convolution's index map computed from its parameters equal
+    those read off by convolving positions with one-hot kernels."""
+    from graphax_eqx._rules.linalg import _conv_entries, _conv_maps
+
+    rng = np.random.default_rng(seed)
+    layouts = {
+        1: [("NCH", "OIH", "NCH"), ("NHC", "HIO", "NHC"), ("HNC", "OHI", "CHN")],
+        2: [
+            ("NCHW", "OIHW", "NCHW"),
+            ("NHWC", "HWIO", "NHWC"),
+            ("CWNH", "IWHO", "WHNC"),
+        ],
+    }
+    checked = 0
+    while checked < 12:
+        nd = int(rng.integers(1, 3))
+        groups = int(rng.choice([1, 2]))
+        sizes = dict(
+            N=int(rng.integers(1, 3)),
+            C=groups * int(rng.integers(1, 3)),
+            O=groups * int(rng.integers(1, 3)),
+        )
+        spatial = [int(rng.integers(3, 7)) for _ in range(nd)]
+        kernel = [int(rng.integers(1, 4)) for _ in range(nd)]
+        lhs_spec, rhs_spec, out_spec = layouts[nd][int(rng.integers(0, 3))]
+        dims = dict(zip("HW", spatial))
+        lhs = np.zeros([{**sizes, **dims}[c] for c in lhs_spec])
+        kdims = dict(O=sizes["O"], I=sizes["C"] // groups, **dict(zip("HW", kernel)))
+        rhs = np.zeros([kdims[c] for c in rhs_spec])
+
+        def conv(l, r, nd=nd, groups=groups, specs=(lhs_spec, rhs_spec, out_spec)):
+            return lax.conv_general_dilated(
+                l,
+                r,
+                [int(rng.integers(1, 3)) for _ in range(nd)],
+                [
+                    (int(rng.integers(-1, 3)), int(rng.integers(0, 3)))
+                    for _ in range(nd)
+                ],
+                [int(rng.integers(1, 3)) for _ in range(nd)],
+                [int(rng.integers(1, 3)) for _ in range(nd)],
+                dimension_numbers=specs,
+                feature_group_count=groups,
+            )
+
+        try:
+            (eqn,) = jax.make_jaxpr(conv)(lhs, rhs).jaxpr.eqns
+        except (TypeError, ValueError):  # an output axis of negative size
+            continue
+        out_shape = tuple(eqn.outvars[0].aval.shape)
+        if 0 in out_shape:
+            continue
+        rows, srcs, taps = _conv_entries(eqn.params, lhs.shape, rhs.shape, out_shape)
+        maps = _conv_maps(eqn.params, lhs, rhs)
+        if maps is None:  # more kernel entries than it reads off
+            continue
+        expected = sorted(
+            (r, int(src[r]), t)
+            for t, src in enumerate(maps)
+            for r in np.nonzero(src >= 0)[0].tolist()
+        )
+        assert sorted(zip(rows.tolist(), srcs.tolist(), taps.tolist())) == expected
+        checked += 1

@@ -241,6 +241,9 @@ _INDEX_STEPS = {
     ),
     "mul": lambda a: a * a[::-1],
     "select": lambda a: jnp.where(a > 0.2, a[::-1], 0.0),
+    "window_sum": lambda a: jax.lax.reduce_window(
+        a, 0.0, jax.lax.add, (3,), (1,), "SAME"
+    ),
 }
 
 
@@ -302,3 +305,20 @@ def test_selection_seen_on_the_rule(name, fn, selects):
         jax.jacfwd(lambda a: fn(jnp.sin(a)))(x),
         rtol=1e-6,
     )
+
+
+@pytest.mark.parametrize("order", _ORDERS + ["auto"])
+def test_window_sum_after_an_infinite_partial(order):
+    """A windowed sum of `1/x` at x = 0: the window's entries are a pattern, not
+    dense zeros, so the infinite partial meets no zero that would make it NaN."""
+
+    def f(x):
+        y = jax.lax.reduce_window(1.0 / x, 0.0, jax.lax.add, (3,), (1,), "SAME")
+        return jnp.sin(y[::-1]) + x
+
+    x = jnp.array([0.5, 0.0, 1.0, -2.0, 0.25, 0.0])
+    with np.errstate(all="ignore"):
+        fwd, rev = jax.jacfwd(f)(x), jax.jacrev(f)(x)
+        for sparse in (False, True):
+            result = gx.jacve(f, order=order, sparse_representation=sparse)(x)
+            _check(result.dense() if sparse else result, fwd, rev, order)

@@ -13,7 +13,7 @@ from jax import lax
 from .._indexed import from_entries
 from .._sparse import from_labeled
 from ._base import register, shape_of
-from .structural import _linear_in
+from .structural import _every_combination, _linear_in, _window_pairs
 
 
 @register(lax.dot_general_p)
@@ -59,8 +59,8 @@ def _dot_general(primals, active, **params):
     return [out], partials
 
 
-# Convolutions get static sparse partials up to this many kernel entries (one
-# convolution per kernel entry at trace time reads off the index map).
+# Convolutions get static sparse partials up to this many kernel entries per output
+# (for the input) or in all (for the kernel).
 _MAX_CONV_TAPS = 64
 _MAX_CONV_SIZE = 1 << 22
 
@@ -100,6 +100,61 @@ def _conv_maps(params, lhs, rhs):
     return maps
 
 
+# Convolutions whose index maps have up to this many entries get them in NumPy.
+_MAX_CONV_ENTRIES = 1 << 24
+
+
+def _conv_entries(params, lhs_shape, rhs_shape, out_shape):
+    """Every `(output, lhs entry, kernel entry)` triple of a convolution, as flat
+    index arrays, computed from its parameters; `None` for batch groups or past
+    `_MAX_CONV_ENTRIES`.
+
+    Output `(n, o, x)` sums `lhs[n, c, ·] · rhs[o, i, w]` over the kernel window `w`
+    and the input features `c = g·I + i` of the output feature's group `g`, the
+    spatial axes read like a windowed sum's (`_window_pairs`).
+    """
+    if params["batch_group_count"] != 1:
+        return None
+    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+    groups = params["feature_group_count"]
+    n_batch, n_out_feat = lhs_shape[lhs_spec[0]], rhs_shape[rhs_spec[0]]
+    n_in_feat = rhs_shape[rhs_spec[1]]  # per group
+    ndim = len(lhs_spec) - 2
+    lhs_dilation = params["lhs_dilation"] or (1,) * ndim
+    rhs_dilation = params["rhs_dilation"] or (1,) * ndim
+    spatial = [
+        _window_pairs(
+            lhs_shape[lhs_spec[2 + d]],
+            rhs_shape[rhs_spec[2 + d]],
+            params["window_strides"][d],
+            params["padding"][d],
+            lhs_dilation[d],
+            rhs_dilation[d],
+        )
+        for d in range(ndim)
+    ]
+    sizes = [n_batch, n_out_feat, n_in_feat] + [len(o) for o, _, _ in spatial]
+    if math.prod(sizes) > _MAX_CONV_ENTRIES:
+        return None
+    n, o, i, *picks = _every_combination(sizes)
+    feature = (o // (n_out_feat // groups)) * n_in_feat + i
+    empty = np.zeros(0, np.int64)
+    out_c = [empty] * len(out_shape)
+    lhs_c = [empty] * len(lhs_shape)
+    rhs_c = [empty] * len(rhs_shape)
+    out_c[out_spec[0]], out_c[out_spec[1]] = n, o
+    lhs_c[lhs_spec[0]], lhs_c[lhs_spec[1]] = n, feature
+    rhs_c[rhs_spec[0]], rhs_c[rhs_spec[1]] = o, i
+    for d, ((po, pi, pw), k) in enumerate(zip(spatial, picks, strict=True)):
+        out_c[out_spec[2 + d]] = po[k]
+        lhs_c[lhs_spec[2 + d]] = pi[k]
+        rhs_c[rhs_spec[2 + d]] = pw[k]
+    return tuple(
+        np.asarray(np.ravel_multi_index(c, shape), np.int64)
+        for c, shape in ((out_c, out_shape), (lhs_c, lhs_shape), (rhs_c, rhs_shape))
+    )
+
+
 @register(lax.conv_general_dilated_p)
 def _conv(primals, active, **params):
     lhs, rhs = primals
@@ -108,14 +163,29 @@ def _conv(primals, active, **params):
     rhs_spec = params["dimension_numbers"].rhs_spec
     # Each output entry is a dot product over one kernel's input window.
     muls = math.prod(out_shape) * math.prod(rhs.shape) // rhs.shape[rhs_spec[0]]
-    maps = _conv_maps(params, lhs, rhs) if any(active) else None
-    partials = {}
+    # Coordinates pay off where each output reads few inputs: a partial that meets a
+    # dense neighbour costs a gather per entry, far more than a convolution applying
+    # it as a linear map. The input partial qualifies by its fan-in, the kernel
+    # partial by its size.
+    fan_in = math.prod(rhs.shape) // rhs.shape[rhs_spec[0]]
+    coordinates = (
+        active[0] and fan_in <= _MAX_CONV_TAPS,
+        active[1] and math.prod(rhs.shape) <= _MAX_CONV_TAPS,
+    )
+    entries = maps = None
+    if any(coordinates):
+        entries = _conv_entries(params, shape_of(lhs), shape_of(rhs), out_shape)
+        if entries is None:
+            maps = _conv_maps(params, lhs, rhs)
     if maps is not None:
         rows = [np.nonzero(src >= 0)[0] for src in maps]
         srcs = [src[r] for src, r in zip(maps, rows, strict=True)]
         taps = [np.full(len(r), t) for t, r in enumerate(rows)]
-        rows, srcs, taps = (np.concatenate(x) for x in (rows, srcs, taps))
-        if active[0]:
+        entries = tuple(np.concatenate(x) for x in (rows, srcs, taps))
+    partials = {}
+    if entries is not None:
+        rows, srcs, taps = entries
+        if coordinates[0]:
             partials[(0, 0)] = from_entries(
                 out_shape,
                 shape_of(lhs),
@@ -124,7 +194,7 @@ def _conv(primals, active, **params):
                 out.dtype,
                 weights=(taps, jnp.reshape(rhs, (-1,))),
             )
-        if active[1]:
+        if coordinates[1]:
             partials[(0, 1)] = from_entries(
                 out_shape,
                 shape_of(rhs),
@@ -133,9 +203,8 @@ def _conv(primals, active, **params):
                 out.dtype,
                 weights=(srcs, jnp.reshape(lhs, (-1,))),
             )
-        return [out], partials
     for i in (0, 1):
-        if active[i]:
+        if active[i] and (0, i) not in partials:
             partials[(0, i)] = _linear_in(
                 lax.conv_general_dilated_p,
                 params,

@@ -540,3 +540,62 @@ def _sort(primals, active, **params):
                 outs[i].dtype,
             )
     return list(outs), partials
+
+
+def _window_pairs(n, window, stride, padding, base, dilation):
+    """`(output, input, window)` index triples of one axis of a windowed sum (or a
+    correlation): output `o` reads, through window entry `w < window`, the input at
+    dilated position `o·stride + w·dilation - lo` where that falls on an input (every
+    `base`-th position of the dilated axis)."""
+    lo, hi = padding
+    extent = (n - 1) * base + 1 if n else 0
+    span = (window - 1) * dilation + 1
+    n_out = max(0, (lo + extent + hi - span) // stride + 1)
+    o = np.repeat(np.arange(n_out, dtype=np.int64), window)
+    w = np.tile(np.arange(window, dtype=np.int64), n_out)
+    p = o * stride + w * dilation - lo
+    keep = (p >= 0) & (p < extent) & (p % base == 0)
+    return o[keep], p[keep] // base, w[keep]
+
+
+def _every_combination(sizes) -> list[np.ndarray]:
+    """Index arrays enumerating every combination of one index per size, the last
+    varying fastest."""
+    grids = np.meshgrid(*[np.arange(n, dtype=np.int64) for n in sizes], indexing="ij")
+    return [g.reshape(-1) for g in grids]
+
+
+@register(lax.reduce_window_sum_p)
+def _reduce_window_sum(primals, active, **params):
+    """A windowed sum (average pooling, `lax.reduce_window` with `add`): a static
+    pattern of ones, the product of each axis's window pairs; axes with a unit
+    window and stride become ties."""
+    (x,) = primals
+    out = lax.reduce_window_sum_p.bind(x, **params)
+    if not active[0]:
+        return [out], {}
+    in_shape, out_shape = shape_of(x), shape_of(out)
+    axes = [
+        _window_pairs(n, *args)
+        for n, *args in zip(
+            in_shape,
+            params["window_dimensions"],
+            params["window_strides"],
+            params["padding"],
+            params["base_dilation"],
+            params["window_dilation"],
+            strict=True,
+        )
+    ]
+    entries = math.prod(len(o) for o, _, _ in axes)
+    if not (0 < entries <= _MAX_INDEX_MAP and _small_enough(in_shape, out_shape)):
+        return fallback_rule(lax.reduce_window_sum_p, primals, active, params)
+    # Every combination of one pair per axis is an entry.
+    picks = _every_combination([len(o) for o, _, _ in axes])
+    rows = np.asarray(
+        np.ravel_multi_index([o[k] for (o, _, _), k in zip(axes, picks)], out_shape)
+    )
+    cols = np.asarray(
+        np.ravel_multi_index([i[k] for (_, i, _), k in zip(axes, picks)], in_shape)
+    )
+    return [out], {(0, 0): from_entries(out_shape, in_shape, rows, cols, out.dtype)}
