@@ -11,7 +11,7 @@ One run measures, for every task in [`benchmarks.tasks.TASKS`][]:
 - first-call time (trace, compile and first run) and the memory XLA plans for each
   compiled program;
 
-plus an Equinox training step (`filter_value_and_jacve` against
+plus Equinox training steps of an MLP and a CNN (`filter_value_and_jacve` against
 `eqx.filter_value_and_grad`) and a scaling report of trace-and-lower time on long
 unrolled recurrences. Results are printed as Markdown and written to
 `docs/benchmarks.md` and `docs/benchmarks_speedup.png`.
@@ -384,6 +384,7 @@ def benchmark_task(
 
 @dataclasses.dataclass
 class TrainingResult:
+    model: str
     step_time: dict[str, float]
     first_call: dict[str, float]
     final_loss: dict[str, float]
@@ -392,9 +393,44 @@ class TrainingResult:
     skipped: str | None = None
 
 
-def training_benchmark(settings: Settings, failures: list[Failure]) -> TrainingResult:
+def _training_models(eqx) -> dict[str, tuple[str, Any, jax.Array]]:
+    """The classifiers trained: `name -> (description, model, inputs)`."""
+    key_mlp, key_cnn, key_x = jax.random.split(jax.random.key(0), 3)
+    mlp = eqx.nn.MLP(64, 10, 256, depth=3, key=key_mlp)
+    keys = jax.random.split(key_cnn, 3)
+    cnn = eqx.nn.Sequential(
+        [
+            eqx.nn.Conv2d(3, 8, 3, padding=1, key=keys[0]),
+            eqx.nn.Lambda(jax.nn.relu),
+            eqx.nn.AvgPool2d(2, 2),
+            eqx.nn.Conv2d(8, 16, 3, padding=1, key=keys[1]),
+            eqx.nn.Lambda(jax.nn.relu),
+            eqx.nn.AvgPool2d(2, 2),
+            eqx.nn.Lambda(jnp.ravel),
+            eqx.nn.Linear(16 * 4 * 4, 10, key=keys[2]),
+        ]
+    )
+    key_a, key_b = jax.random.split(key_x)
+    return {
+        "MLP": (
+            "an `eqx.nn.MLP` classifier 64 → 256 → 256 → 256 → 10 (ReLU), batch 256",
+            mlp,
+            jax.random.normal(key_a, (256, 64), DTYPE),
+        ),
+        "CNN": (
+            "a CNN on 3 × 16 × 16 images: `eqx.nn.Conv2d` 3 → 8 and 8 → 16 (3 × 3, "
+            "ReLU), each followed by `eqx.nn.AvgPool2d(2, 2)`, then `eqx.nn.Linear` "
+            "256 → 10, batch 32",
+            cnn,
+            jax.random.normal(key_b, (32, 3, 16, 16), DTYPE),
+        ),
+    }
+
+
+def training_benchmark(
+    settings: Settings, failures: list[Failure]
+) -> list[TrainingResult]:
     import equinox as eqx
-    import optax
 
     if graphax_eqx is None or not hasattr(graphax_eqx, "filter_value_and_jacve"):
         reason = (
@@ -403,13 +439,22 @@ def training_benchmark(settings: Settings, failures: list[Failure]) -> TrainingR
             else "graphax_eqx.filter_value_and_jacve does not exist yet"
         )
         print(f"Training benchmark skipped: {reason}.", flush=True)
-        return TrainingResult({}, {}, {}, None, 0, skipped=reason)
+        return [TrainingResult("", {}, {}, {}, None, 0, skipped=reason)]
+    results = []
+    for name, (_, model, x) in _training_models(eqx).items():
+        results.append(_train(name, model, x, settings, failures))
+    return results
 
-    key_model, key_x, key_y = jax.random.split(jax.random.key(0), 3)
-    model = eqx.nn.MLP(64, 10, 256, depth=3, key=key_model)
-    x = jax.random.normal(key_x, (256, 64), DTYPE)
-    y = jax.random.randint(key_y, (256,), 0, 10)
+
+def _train(
+    model_name: str, model, x: jax.Array, settings: Settings, failures: list[Failure]
+) -> TrainingResult:
+    import equinox as eqx
+    import optax
+
+    y = jax.random.randint(jax.random.key(1), (x.shape[0],), 0, 10)
     optimiser = optax.adam(1e-3)
+    part = f"training {model_name}"
 
     def loss_fn(model, x, y):
         logits = jax.vmap(model)(x)
@@ -438,10 +483,7 @@ def training_benchmark(settings: Settings, failures: list[Failure]) -> TrainingR
         except Exception as error:
             failures.append(
                 Failure(
-                    "training",
-                    f"gradient {name}",
-                    _short_error(error),
-                    _traceback_tail(),
+                    part, f"gradient {name}", _short_error(error), _traceback_tail()
                 )
             )
     grad_error = None
@@ -464,9 +506,7 @@ def training_benchmark(settings: Settings, failures: list[Failure]) -> TrainingR
             steps[name] = step
         except Exception as error:
             failures.append(
-                Failure(
-                    "training", f"step {name}", _short_error(error), _traceback_tail()
-                )
+                Failure(part, f"step {name}", _short_error(error), _traceback_tail())
             )
 
     samples: dict[str, list[float]] = {name: [] for name in steps}
@@ -481,7 +521,7 @@ def training_benchmark(settings: Settings, failures: list[Failure]) -> TrainingR
     step_time = {name: statistics.median(v) for name, v in samples.items() if v}
     final_loss = {name: float(state[2]) for name, state in states.items()}
     return TrainingResult(
-        step_time, first_call, final_loss, grad_error, settings.train_steps
+        model_name, step_time, first_call, final_loss, grad_error, settings.train_steps
     )
 
 
@@ -776,37 +816,47 @@ def render_tasks(results: Sequence[TaskResult], settings: Settings) -> str:
     return "\n".join(parts)
 
 
-def render_training(training: TrainingResult | None) -> str:
-    if training is None:
+def render_training(results: Sequence[TrainingResult] | None) -> str:
+    if not results:
         return ""
-    parts = ["\n## Equinox training step\n"]
-    parts.append(
-        "One jitted optax Adam step of an `eqx.nn.MLP` classifier 64 → 256 → 256 → 256 "
-        "→ 10 (ReLU) on a batch of 256 with softmax cross-entropy. Step time is the "
-        f"median over {training.steps} alternating steps of each method.\n"
-    )
-    if training.skipped is not None:
-        parts.append(f"Skipped: {training.skipped}.\n")
+    parts = ["\n## Equinox training steps\n"]
+    if results[0].skipped is not None:
+        parts.append(f"Skipped: {results[0].skipped}.\n")
         return "\n".join(parts)
-    rows = []
-    for name in ("filter_value_and_jacve", "eqx.filter_value_and_grad"):
-        rows.append(
-            [
-                f"`{name}`",
-                _fmt_time(training.step_time.get(name)),
-                _fmt_time(training.first_call.get(name)),
-                "—"
-                if name not in training.final_loss
-                else f"{training.final_loss[name]:.4f}",
-            ]
-        )
+    import equinox as eqx
+
+    described = _training_models(eqx)
     parts.append(
-        _table(["gradient", "step time", "first call", "loss after steps"], rows)
+        "One jitted optax Adam step with softmax cross-entropy, for each of: "
+        + "; ".join(f"**{r.model}**, {described[r.model][0]}" for r in results)
+        + f". Step time is the median over {results[0].steps} alternating steps of "
+        "each method.\n"
     )
-    if training.grad_error is not None:
+    rows = []
+    for r in results:
+        for name in ("filter_value_and_jacve", "eqx.filter_value_and_grad"):
+            rows.append(
+                [
+                    r.model,
+                    f"`{name}`",
+                    _fmt_time(r.step_time.get(name)),
+                    _fmt_time(r.first_call.get(name)),
+                    "—" if name not in r.final_loss else f"{r.final_loss[name]:.4f}",
+                ]
+            )
+    parts.append(
+        _table(
+            ["model", "gradient", "step time", "first call", "loss after steps"], rows
+        )
+    )
+    agree = [
+        f"{r.model} {r.grad_error:.1e}" for r in results if r.grad_error is not None
+    ]
+    if agree:
         parts.append(
-            f"\nGradients at initialisation agree to {training.grad_error:.1e} "
-            "(relative, largest leaf difference)."
+            "\nGradients at initialisation agree to "
+            + ", ".join(agree)
+            + " (relative, largest leaf difference)."
         )
     return "\n".join(parts)
 
