@@ -1092,3 +1092,22 @@ def test_convolution_entries_from_parameters(seed):
         )
         assert sorted(zip(rows.tolist(), srcs.tolist(), taps.tolist())) == expected
         checked += 1
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])
+def test_window_sum_past_the_pattern_size_is_a_linear_map(order, monkeypatch):
+    """A windowed sum too large for a pattern is applied as the linear map it is,
+    never differentiated densely."""
+    import graphax_eqx._rules.structural as structural
+
+    monkeypatch.setattr(structural, "_MAX_WINDOW_ENTRIES", 10)
+
+    def f(x):
+        y = lax.reduce_window(jnp.cos(x), 0.0, lax.add, (2, 3), (1, 2), "SAME")
+        return jnp.sin(y)
+
+    x = _uniform((4, 6))
+    expected = jax.jacfwd(f)(x)
+    _assert_close(graphax_eqx.jacve(f, order=order)(x), expected)
+    sparse = jax.jit(graphax_eqx.jacve(f, order=order, sparse_representation=True))
+    _assert_close(sparse(x).dense(), expected)

@@ -207,7 +207,7 @@ def _custom_rule(prim, use_vjp):
             # that they carry its sharding.
             _, pullback = jax.vjp(lambda *xs: f(xs, wrt), *[primals[i] for i in wrt])
             ones = pullback(lax.full_like(out, 1))
-            reaches = seed_reaches(pullback, out)
+            reaches = seed_reaches(pullback, out) or [False] * len(wrt)
             nans = None if all(reaches) else pullback(lax.full_like(out, jnp.nan))
             for k, (i, one) in enumerate(zip(wrt, ones, strict=True)):
                 diags[i] = one

@@ -66,23 +66,24 @@ def selected_away(linear, x):
     an infinite factor, as it does in JAX. Returns `(diagonal, mask or None)`.
     """
     diag = linear(lax.full_like(x, 1))
-    if all(seed_reaches(linear, x)):
+    if all(seed_reaches(linear, x) or [False]):
         return diag, None  # shown on the rule's jaxpr: no select to probe for
     dropped = lax.bitwise_not(lax.ne(*(2 * [linear(lax.full_like(x, jnp.nan))])))
     return diag, dropped
 
 
-# Primitives whose every output element is NaN when one operand is NaN everywhere.
+# Primitives whose every output element is NaN when one (non-empty) operand is NaN
+# everywhere. (Not `pow` or `integer_pow`: `1 ** nan` and `nan ** 0` are 1.)
 _NAN_PROPAGATING = frozenset(
-    """add sub mul div neg add_any pow atan2 exp exp2 log log1p expm1 sin cos tan tanh
-    asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs integer_pow square
-    logistic erf erfc erf_inv lgamma digamma rem copy copy_p reduce_precision
+    """add sub mul div neg add_any atan2 exp exp2 log log1p expm1 sin cos tan tanh
+    asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs square logistic
+    erf erfc erf_inv lgamma digamma rem copy copy_p reduce_precision
     broadcast_in_dim reshape squeeze expand_dims transpose rev dot_general reduce_sum
     sharding_constraint""".split()
 )
 
 
-def seed_reaches(linear, *seeds) -> list[bool]:
+def seed_reaches(linear, *seeds) -> list[bool] | None:
     """For each output of `linear`, whether a NaN seed always reaches all of it.
 
     Shown on the jaxpr of `linear` (applied to arguments shaped like `seeds`): a NaN
@@ -90,12 +91,12 @@ def seed_reaches(linear, *seeds) -> list[bool]:
     a `select_n` only when every case carries it. Where this returns true, the rule
     never selects its seed away, whatever the values, and no NaN probe is needed.
     Anything not shown (a select with a constant case, gathers, control flow) counts
-    as possibly selecting away.
+    as possibly selecting away. `None` when `linear` cannot be traced this way.
     """
     try:
         closed = jax.make_jaxpr(linear)(*seeds)
-    except Exception:  # not traceable this way: probe with values instead
-        return [False] * len(jax.tree.leaves(jax.eval_shape(linear, *seeds)))
+    except Exception:  # probe with values instead
+        return None
     jaxpr = closed.jaxpr
     return _reaches(jaxpr, [True] * len(jaxpr.invars))
 
@@ -118,7 +119,9 @@ def _reaches(jaxpr, carried: list[bool]) -> list[bool]:
         elif eqn.primitive is lax.convert_element_type_p:
             outs = [ins[0] and jnp.issubdtype(eqn.params["new_dtype"], jnp.inexact)]
         elif name in _NAN_PROPAGATING:
-            outs = [True] * len(eqn.outvars)
+            # An empty operand (a sum over no terms) gives zeros, not NaN.
+            empty = any(0 in tuple(getattr(a.aval, "shape", ())) for a in eqn.invars)
+            outs = [not empty] * len(eqn.outvars)
         else:
             outs = [False] * len(eqn.outvars)
         env.update(zip(eqn.outvars, outs, strict=True))

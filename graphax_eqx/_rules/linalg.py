@@ -101,7 +101,7 @@ def _conv_maps(params, lhs, rhs):
 
 
 # Convolutions whose index maps have up to this many entries get them in NumPy.
-_MAX_CONV_ENTRIES = 1 << 24
+_MAX_CONV_ENTRIES = 1 << 22
 
 
 def _conv_entries(params, lhs_shape, rhs_shape, out_shape):

@@ -565,6 +565,10 @@ def _every_combination(sizes) -> list[np.ndarray]:
     return [g.reshape(-1) for g in grids]
 
 
+# Windowed sums get static patterns up to this many entries.
+_MAX_WINDOW_ENTRIES = 1 << 24
+
+
 @register(lax.reduce_window_sum_p)
 def _reduce_window_sum(primals, active, **params):
     """A windowed sum (average pooling, `lax.reduce_window` with `add`): a static
@@ -588,8 +592,12 @@ def _reduce_window_sum(primals, active, **params):
         )
     ]
     entries = math.prod(len(o) for o, _, _ in axes)
-    if not (0 < entries <= _MAX_INDEX_MAP and _small_enough(in_shape, out_shape)):
-        return fallback_rule(lax.reduce_window_sum_p, primals, active, params)
+    if not 0 < entries <= _MAX_WINDOW_ENTRIES:
+        # It is linear: past the size, the windowed sum itself is the map.
+        partial = _linear_in(
+            lax.reduce_window_sum_p, params, primals, 0, out_shape, out.dtype
+        )
+        return [out], {(0, 0): partial}
     # Every combination of one pair per axis is an entry.
     picks = _every_combination([len(o) for o, _, _ in axes])
     rows = np.asarray(
