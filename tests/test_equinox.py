@@ -72,6 +72,21 @@ def _conv2d():
     return model, (_f32(1, 3, 3),), lambda m, x: jnp.tanh(m(x))
 
 
+def _conv_pool():
+    # Four input features: more kernel entries than the kernel's own pattern takes,
+    # so its partial is a linear map while the input's is a pattern.
+    conv = eqx.nn.Conv2d(4, 3, kernel_size=3, padding=1, key=jr.PRNGKey(12), dtype=F32)
+    pool = eqx.nn.AvgPool2d(2, 1)
+    return conv, (_f32(4, 4, 5),), lambda m, x: pool(jax.nn.relu(m(x)))
+
+
+def _conv_transpose():
+    model = eqx.nn.ConvTranspose1d(
+        4, 2, kernel_size=3, stride=2, groups=2, key=jr.PRNGKey(13), dtype=F32
+    )
+    return model, (_f32(4, 5),), lambda m, x: jnp.tanh(m(x))
+
+
 def _layer_norm():
     model = eqx.nn.LayerNorm(4, dtype=F32)
     model = eqx.tree_at(lambda m: m.weight, model, _f32(4, seed=4) + 1.0)
@@ -99,6 +114,8 @@ MODELS = {
     "linear": _linear,
     "conv1d": _conv1d,
     "conv2d": _conv2d,
+    "conv_pool": _conv_pool,
+    "conv_transpose": _conv_transpose,
     "layer_norm": _layer_norm,
     "attention": _attention,
     "gru": _gru,
