@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import OrderedDict
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,8 @@ from .elementwise import (
     _broadcast_partial,
     elementwise_primitives,
     elementwise_zero,
-    seed_reaches,
+    nan_reaches,
+    propagate_facts,
     selected_away,
 )
 from .fallback import dense_jacobian
@@ -64,38 +66,32 @@ def _sub_jaxpr(eqn):
 
 def _propagate(jaxpr, in_deps: list[_Dep], out_shape) -> list[_Dep]:
     """The dependence of each output of `jaxpr` on the seed, given its inputs'."""
-    env: dict = {}
 
-    def read(atom) -> _Dep:
-        return _Dep.NONE if isinstance(atom, jp.Literal) else env.get(atom, _Dep.NONE)
+    def transfer(eqn, deps):
+        if _Dep.MIXED in deps:
+            return [_Dep.MIXED] * len(eqn.outvars)
+        ok = all(tuple(v.aval.shape) == out_shape for v in eqn.outvars)
+        if eqn.primitive in _SHAPE_ONLY:
+            ok = ok and tuple(eqn.invars[0].aval.shape) == out_shape
+        elif eqn.primitive is lax.transpose_p:
+            perm = tuple(eqn.params["permutation"])
+            ok = ok and perm == tuple(range(len(perm)))
+        elif eqn.primitive not in _ELEMENTWISE_ANY:
+            ok = False
+        return [_Dep.ELEMENTWISE if ok else _Dep.MIXED] * len(eqn.outvars)
 
-    for var, dep in zip(jaxpr.invars, in_deps, strict=True):
-        env[var] = dep
-    for eqn in jaxpr.eqns:
-        deps = [read(a) for a in eqn.invars]
-        if all(d is _Dep.NONE for d in deps):
-            outs = [_Dep.NONE] * len(eqn.outvars)
-        elif _Dep.MIXED in deps:
-            outs = [_Dep.MIXED] * len(eqn.outvars)
-        elif (sub := _sub_jaxpr(eqn)) is not None:
-            outs = _propagate(sub, deps, out_shape)
-        else:
-            ok = all(tuple(v.aval.shape) == out_shape for v in eqn.outvars)
-            if eqn.primitive in _SHAPE_ONLY:
-                ok = ok and tuple(eqn.invars[0].aval.shape) == out_shape
-            elif eqn.primitive is lax.transpose_p:
-                perm = tuple(eqn.params["permutation"])
-                ok = ok and perm == tuple(range(len(perm)))
-            elif eqn.primitive not in _ELEMENTWISE_ANY:
-                ok = False
-            dep = _Dep.ELEMENTWISE if ok else _Dep.MIXED
-            outs = [dep] * len(eqn.outvars)
-        for var, dep in zip(eqn.outvars, outs, strict=True):
-            env[var] = dep
-    return [read(a) for a in jaxpr.outvars]
+    return propagate_facts(jaxpr, in_deps, transfer, _Dep.NONE, _sub_jaxpr)
 
 
-# Decisions of `_rule_is_elementwise`, keyed on the functions defining the rule, the
+class _Decision(NamedTuple):
+    """What the traced rule shows: whether it is elementwise, and for each operand in
+    `wrt` whether a NaN seed always reaches its diagonal (no selection to probe)."""
+
+    elementwise: bool
+    reaches: tuple[bool, ...]
+
+
+# Decisions of `_rule_decision`, keyed on the functions defining the rule, the
 # primal body and the operand types: re-tracing the rule is most of the cost of an
 # eager call on a model with custom activations.
 _DECISIONS: OrderedDict = OrderedDict()
@@ -112,7 +108,7 @@ def _decision_key(prim, params, primals, wrt, use_vjp):
     return (prim, functions, body, types, tuple(wrt), use_vjp)
 
 
-def _rule_is_elementwise(prim, params, primals, wrt, out, use_vjp) -> bool:
+def _rule_decision(prim, params, primals, wrt, out, use_vjp) -> _Decision:
     try:
         key = _decision_key(prim, params, primals, wrt, use_vjp)
         hash(key)
@@ -121,7 +117,7 @@ def _rule_is_elementwise(prim, params, primals, wrt, out, use_vjp) -> bool:
     if key is not None and key in _DECISIONS:
         _DECISIONS.move_to_end(key)
         return _DECISIONS[key]
-    decision = _trace_rule_is_elementwise(prim, params, primals, wrt, out, use_vjp)
+    decision = _trace_rule(prim, params, primals, wrt, out, use_vjp)
     if key is not None:
         _DECISIONS[key] = decision
         if len(_DECISIONS) > _MAX_DECISIONS:
@@ -129,9 +125,10 @@ def _rule_is_elementwise(prim, params, primals, wrt, out, use_vjp) -> bool:
     return decision
 
 
-def _trace_rule_is_elementwise(prim, params, primals, wrt, out, use_vjp) -> bool:
+def _trace_rule(prim, params, primals, wrt, out, use_vjp) -> _Decision:
     """Whether the custom rule maps tangents of `primals[i]`, `i in wrt`, to the output
-    tangent (or the output cotangent back to theirs) elementwise.
+    tangent (or the output cotangent back to theirs) elementwise, and whether a NaN
+    seed reaches each diagonal (`seed_reaches`).
 
     The rule is traced as JAX runs it (`jax.jvp`, or `jax.vjp` and its pullback, of the
     rebound call) and the seed's dependence is followed through the jaxpr. This is
@@ -160,13 +157,20 @@ def _trace_rule_is_elementwise(prim, params, primals, wrt, out, use_vjp) -> bool
         # Every primal is an argument, so no value is closed over as a constant.
         closed = jax.make_jaxpr(linear)(xs, list(primals), seed)
     except Exception:  # the rule cannot be traced this way: use the dense path
-        return False
+        return _Decision(False, (False,) * len(wrt))
     jaxpr = closed.jaxpr
     n_seed = len(jax.tree.leaves(seed))
     n_other = len(jaxpr.invars) - n_seed
     in_deps = [_Dep.NONE] * n_other + [_Dep.ELEMENTWISE] * n_seed
     outs = _propagate(jaxpr, in_deps, out_shape)
-    return all(d is not _Dep.MIXED for d in outs)
+    if use_vjp:  # one cotangent seed, one output per operand
+        reaches = nan_reaches(jaxpr, [False] * n_other + [True])
+    else:  # one tangent seed per operand, one output
+        reaches = [
+            nan_reaches(jaxpr, [False] * n_other + [j == k for j in range(n_seed)])[0]
+            for k in range(n_seed)
+        ]
+    return _Decision(all(d is not _Dep.MIXED for d in outs), tuple(reaches))
 
 
 def _custom_rule(prim, use_vjp):
@@ -187,11 +191,12 @@ def _custom_rule(prim, use_vjp):
         # Operands of the output's shape need an elementwise rule for a diagonal; a
         # scalar operand broadcast to a larger output has a single column, exact anyway.
         wrt = [i for i in idx if shape_of(primals[i]) == out_shape]
-        if (
-            wrt
-            and math.prod(out_shape) > 1
-            and not _rule_is_elementwise(prim, params, primals, wrt, out, use_vjp)
-        ):
+        decision = (
+            _rule_decision(prim, params, primals, wrt, out, use_vjp)
+            if wrt
+            else _Decision(True, ())
+        )
+        if wrt and math.prod(out_shape) > 1 and not decision.elementwise:
             return outs, dense_jacobian(prim, params, primals, active, outs, modes)
 
         def f(xs, at):
@@ -207,7 +212,7 @@ def _custom_rule(prim, use_vjp):
             # that they carry its sharding.
             _, pullback = jax.vjp(lambda *xs: f(xs, wrt), *[primals[i] for i in wrt])
             ones = pullback(lax.full_like(out, 1))
-            reaches = seed_reaches(pullback, out) or [False] * len(wrt)
+            reaches = decision.reaches
             nans = None if all(reaches) else pullback(lax.full_like(out, jnp.nan))
             for k, (i, one) in enumerate(zip(wrt, ones, strict=True)):
                 diags[i] = one
@@ -221,7 +226,8 @@ def _custom_rule(prim, use_vjp):
             if i in wrt:
                 # Linearised once; the rule is then applied to two seeds.
                 _, linear = jax.linearize(lambda x, i=i: f([x], [i]), x)
-                diags[i], masks[i] = selected_away(linear, x)
+                reaches = decision.reaches[wrt.index(i)]
+                diags[i], masks[i] = selected_away(linear, x, reaches)
             else:
                 jacobian = jax.jacrev if use_vjp else jax.jacfwd
                 diags[i] = jacobian(lambda x: f([x], [i]))(x)

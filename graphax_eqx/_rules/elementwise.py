@@ -53,10 +53,31 @@ def _probe(prim, primals, i, params):
         return prim.bind(*args, **params)
 
     _, linear = jax.linearize(f, x)  # traced once, applied to two seeds
-    return selected_away(linear, x)
+    try:
+        key = (prim, tuple(sorted(params.items())), _types(primals), i)
+        hash(key)
+    except Exception:  # nothing stable to key on: decide afresh
+        key = None
+    reaches = _REACHES.get(key) if key is not None else None
+    if reaches is None:
+        reaches = all(seed_reaches(linear, x) or [False])
+        if key is not None:
+            _REACHES[key] = reaches
+            if len(_REACHES) > 1024:
+                _REACHES.pop(next(iter(_REACHES)))
+    return selected_away(linear, x, reaches)
 
 
-def selected_away(linear, x):
+# `seed_reaches` decisions of the probed primitives, by primitive, params and operand
+# types: the rule's jaxpr depends on nothing else.
+_REACHES: dict = {}
+
+
+def _types(primals) -> tuple:
+    return tuple((jnp.shape(p), jnp.result_type(p)) for p in primals)
+
+
+def selected_away(linear, x, reaches: bool | None = None):
     """An elementwise linear map's diagonal, and where it discards its input.
 
     `linear` maps a tangent shaped like `x` to an out-shaped array, elementwise. A
@@ -64,9 +85,14 @@ def selected_away(linear, x):
     its input at all (JAX's `select`-based rules, e.g. `relu` or `clamp`): those
     entries are selected away, and a product with them must stay zero even against
     an infinite factor, as it does in JAX. Returns `(diagonal, mask or None)`.
+
+    `reaches`: whether a NaN seed is known to reach every output (`seed_reaches`);
+    found from `linear`'s jaxpr when `None`.
     """
     diag = linear(lax.full_like(x, 1))
-    if all(seed_reaches(linear, x) or [False]):
+    if reaches is None:
+        reaches = all(seed_reaches(linear, x) or [False])
+    if reaches:
         return diag, None  # shown on the rule's jaxpr: no select to probe for
     dropped = lax.bitwise_not(lax.ne(*(2 * [linear(lax.full_like(x, jnp.nan))])))
     return diag, dropped
@@ -98,34 +124,58 @@ def seed_reaches(linear, *seeds) -> list[bool] | None:
     except Exception:  # probe with values instead
         return None
     jaxpr = closed.jaxpr
-    return _reaches(jaxpr, [True] * len(jaxpr.invars))
+    return nan_reaches(jaxpr, [True] * len(jaxpr.invars))
 
 
-def _reaches(jaxpr, carried: list[bool]) -> list[bool]:
-    env: dict = dict(zip(jaxpr.invars, carried, strict=True))
+def propagate_facts(jaxpr, facts: list, transfer, default, sub_jaxpr=None) -> list:
+    """Forward dataflow over `jaxpr`: a fact per variable, from the facts of its
+    inputs (`facts`) to those of its outputs.
 
-    def read(atom) -> bool:
-        return False if isinstance(atom, jp.Literal) else env.get(atom, False)
+    Literals and constants hold `default`; an equation whose inputs all hold it gives
+    `default`; a call-like one is followed into its body (`sub_jaxpr(eqn)`, by default
+    the inlined calls); any other gets `transfer(eqn, input_facts)`.
+    """
+    env: dict = dict(zip(jaxpr.invars, facts, strict=True))
+
+    def read(atom):
+        return default if isinstance(atom, jp.Literal) else env.get(atom, default)
 
     for eqn in jaxpr.eqns:
         ins = [read(a) for a in eqn.invars]
-        name = eqn.primitive.name
-        if not any(ins):
-            outs = [False] * len(eqn.outvars)
-        elif (inner := jp.inner_jaxpr(eqn)) is not None:
-            outs = _reaches(inner[0], ins)
-        elif eqn.primitive is lax.select_n_p:
-            outs = [all(ins[1:])]
-        elif eqn.primitive is lax.convert_element_type_p:
-            outs = [ins[0] and jnp.issubdtype(eqn.params["new_dtype"], jnp.inexact)]
-        elif name in _NAN_PROPAGATING:
-            # An empty operand (a sum over no terms) gives zeros, not NaN.
-            empty = any(0 in tuple(getattr(a.aval, "shape", ())) for a in eqn.invars)
-            outs = [not empty] * len(eqn.outvars)
+        if all(f == default for f in ins):
+            outs = [default] * len(eqn.outvars)
+        elif (
+            sub := _inner_body(eqn) if sub_jaxpr is None else sub_jaxpr(eqn)
+        ) is not None:
+            outs = propagate_facts(sub, ins, transfer, default, sub_jaxpr)
         else:
-            outs = [False] * len(eqn.outvars)
+            outs = transfer(eqn, ins)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(a) for a in jaxpr.outvars]
+
+
+def _inner_body(eqn):
+    inner = jp.inner_jaxpr(eqn)
+    return None if inner is None else inner[0]
+
+
+def nan_reaches(jaxpr, carried: list[bool]) -> list[bool]:
+    """For each output of `jaxpr`, whether it is NaN everywhere when the inputs
+    marked in `carried` are (see `seed_reaches`)."""
+    return propagate_facts(jaxpr, carried, _carries, False)
+
+
+def _carries(eqn, ins: list[bool]) -> list[bool]:
+    """Whether each output of `eqn` is NaN everywhere, given which inputs are."""
+    if eqn.primitive is lax.select_n_p:
+        return [all(ins[1:])]
+    if eqn.primitive is lax.convert_element_type_p:
+        return [ins[0] and jnp.issubdtype(eqn.params["new_dtype"], jnp.inexact)]
+    if eqn.primitive.name in _NAN_PROPAGATING:
+        # An empty operand (a sum over no terms) gives zeros, not NaN.
+        empty = any(0 in tuple(getattr(a.aval, "shape", ())) for a in eqn.invars)
+        return [not empty] * len(eqn.outvars)
+    return [False] * len(eqn.outvars)
 
 
 def _full(val, out):

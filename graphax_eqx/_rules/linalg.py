@@ -162,12 +162,12 @@ def _conv(primals, active, **params):
     out_shape = shape_of(out)
     rhs_spec = params["dimension_numbers"].rhs_spec
     # Each output entry is a dot product over one kernel's input window.
-    muls = math.prod(out_shape) * math.prod(rhs.shape) // rhs.shape[rhs_spec[0]]
+    fan_in = math.prod(rhs.shape) // rhs.shape[rhs_spec[0]]
+    muls = math.prod(out_shape) * fan_in
     # Coordinates pay off where each output reads few inputs: a partial that meets a
     # dense neighbour costs a gather per entry, far more than a convolution applying
     # it as a linear map. The input partial qualifies by its fan-in, the kernel
     # partial by its size.
-    fan_in = math.prod(rhs.shape) // rhs.shape[rhs_spec[0]]
     coordinates = (
         active[0] and fan_in <= _MAX_CONV_TAPS,
         active[1] and math.prod(rhs.shape) <= _MAX_CONV_TAPS,
