@@ -405,7 +405,7 @@ def _training_models(eqx) -> dict[str, tuple[str, Any, jax.Array]]:
             eqx.nn.AvgPool2d(2, 2),
             eqx.nn.Conv2d(8, 16, 3, padding=1, key=keys[1]),
             eqx.nn.Lambda(jax.nn.relu),
-            eqx.nn.AvgPool2d(2, 2),
+            eqx.nn.MaxPool2d(2, 2),
             eqx.nn.Lambda(jnp.ravel),
             eqx.nn.Linear(16 * 4 * 4, 10, key=keys[2]),
         ]
@@ -418,9 +418,9 @@ def _training_models(eqx) -> dict[str, tuple[str, Any, jax.Array]]:
             jax.random.normal(key_a, (256, 64), DTYPE),
         ),
         "CNN": (
-            "a CNN on 3 × 16 × 16 images: `eqx.nn.Conv2d` 3 → 8 and 8 → 16 (3 × 3, "
-            "ReLU), each followed by `eqx.nn.AvgPool2d(2, 2)`, then `eqx.nn.Linear` "
-            "256 → 10, batch 32",
+            "a CNN on 3 × 16 × 16 images: `eqx.nn.Conv2d` 3 → 8 (3 × 3, ReLU, "
+            "`eqx.nn.AvgPool2d(2, 2)`), `eqx.nn.Conv2d` 8 → 16 (3 × 3, ReLU, "
+            "`eqx.nn.MaxPool2d(2, 2)`), then `eqx.nn.Linear` 256 → 10, batch 32",
             cnn,
             jax.random.normal(key_b, (32, 3, 16, 16), DTYPE),
         ),

@@ -314,11 +314,30 @@ def from_entries(
     Full free parts come back as a `graphax_eqx.SparseTensor`; others as a
     `graphax_eqx.CooTensor`.
     """
+    widx = None if weights is None else weights[0]
+    p, widx = entry_pattern(out_shape, in_shape, rows, cols, widx)
+    val = None
+    if weights is not None:
+        assert widx is not None
+        values = jnp.asarray(weights[1])
+        val = _cast(_take_last(values, widx), dtype)
+    return finish(CooTensor(val, p, jnp.dtype(dtype)))
+
+
+def entry_pattern(
+    out_shape: tuple[int, ...],
+    in_shape: tuple[int, ...],
+    rows: np.ndarray,
+    cols: np.ndarray,
+    widx: np.ndarray | None = None,
+) -> tuple[CooPattern, np.ndarray | None]:
+    """The pattern of `from_entries`, and `widx` in its entry order (entries sorted by
+    row, then column, over the free axes)."""
     out_shape = tuple(int(s) for s in out_shape)
     in_shape = tuple(int(s) for s in in_shape)
     rows = np.asarray(rows, np.int64)
     cols = np.asarray(cols, np.int64)
-    widx = None if weights is None else np.asarray(weights[0], np.int64)
+    widx = None if widx is None else np.asarray(widx, np.int64)
     out_c = list(_unravel(rows, out_shape)) if out_shape else []
     in_c = list(_unravel(cols, in_shape)) if in_shape else []
     out_axes = list(range(len(out_shape)))
@@ -369,13 +388,13 @@ def from_entries(
         r[order],
         c[order],
     )
-    val = None
-    if weights is not None:
-        assert widx is not None
-        values = jnp.asarray(weights[1])
-        val = _cast(_take_last(values, widx[order]), dtype)
-    ct = CooTensor(val, p, jnp.dtype(dtype))
-    if _store_dense(p):
+    return p, None if widx is None else widx[order]
+
+
+def finish(ct: CooTensor):
+    """`ct`, or its `graphax_eqx.SparseTensor` where its free part is better stored
+    densely."""
+    if _store_dense(ct.pattern):
         return to_labeled(ct)
     return ct
 

@@ -80,6 +80,12 @@ def _conv_pool():
     return conv, (_f32(4, 4, 5),), lambda m, x: pool(jax.nn.relu(m(x)))
 
 
+def _conv_max_pool():
+    conv = eqx.nn.Conv2d(2, 3, kernel_size=3, padding=1, key=jr.PRNGKey(14), dtype=F32)
+    pool = eqx.nn.MaxPool2d(2, 2)
+    return conv, (_f32(2, 4, 6),), lambda m, x: pool(jnp.tanh(m(x)))
+
+
 def _conv_transpose():
     model = eqx.nn.ConvTranspose1d(
         4, 2, kernel_size=3, stride=2, groups=2, key=jr.PRNGKey(13), dtype=F32
@@ -115,6 +121,7 @@ MODELS = {
     "conv1d": _conv1d,
     "conv2d": _conv2d,
     "conv_pool": _conv_pool,
+    "conv_max_pool": _conv_max_pool,
     "conv_transpose": _conv_transpose,
     "layer_norm": _layer_norm,
     "attention": _attention,

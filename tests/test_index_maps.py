@@ -441,6 +441,30 @@ _PRIMITIVE_CASES = [
         _smooth(lambda x: lax.reduce_window(x, 0.0, lax.add, (4,), (1,), "SAME")),
         _X1,
     ),
+    # Windowed maxima and minima (max pooling): the window's pattern, one entry taken.
+    _case(
+        "max_pool_3d",
+        _smooth(
+            lambda x: lax.reduce_window(
+                x, -jnp.inf, lax.max, (1, 2, 2), (1, 2, 1), "VALID"
+            )
+        ),
+        _X3,
+    ),
+    _case(
+        "max_pool_padded_dilated_2d",
+        _smooth(
+            lambda x: lax.reduce_window(
+                x, -jnp.inf, lax.max, (3, 2), (1, 2), ((2, 0), (1, 1)), (1, 2), (2, 1)
+            )
+        ),
+        _X2,
+    ),
+    _case(
+        "min_pool_same_1d",
+        _smooth(lambda x: lax.reduce_window(x, jnp.inf, lax.min, (4,), (1,), "SAME")),
+        _X1,
+    ),
     # Selection with a constant mask.
     _case(
         "where_mask_2d",
@@ -1111,3 +1135,38 @@ def test_window_sum_past_the_pattern_size_is_a_linear_map(order, monkeypatch):
     _assert_close(graphax_eqx.jacve(f, order=order)(x), expected)
     sparse = jax.jit(graphax_eqx.jacve(f, order=order, sparse_representation=True))
     _assert_close(sparse(x).dense(), expected)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("order", _ORDERS)
+def test_window_max_takes_the_first_of_equal_entries(order, sparse):
+    """Where several entries of a window hold its maximum, the derivative goes to the
+    first of them in the window's row-major order, as `jax.jacrev` gives it."""
+    x = jnp.asarray([[1, 1, 0, 2, 2], [1, 0, 2, 2, 1], [0, 0, 0, 0, 0]], jnp.float32)
+    for window, strides, padding in [
+        ((2, 2), (2, 2), "VALID"),
+        ((2, 2), (1, 1), "SAME"),
+        ((3, 3), (1, 2), "SAME"),
+    ]:
+
+        def f(x):
+            return lax.reduce_window(x, -jnp.inf, lax.max, window, strides, padding)
+
+        jac = graphax_eqx.jacve(f, order=order, sparse_representation=sparse)(x)
+        jac = jac.dense() if sparse else jac
+        np.testing.assert_array_equal(jac, jax.jacrev(f)(x))
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev"])
+def test_window_max_past_the_pattern_size(order, monkeypatch):
+    """A windowed maximum too large for a pattern still has the right Jacobian."""
+    import graphax_eqx._rules.structural as structural
+
+    monkeypatch.setattr(structural, "_MAX_WINDOW_ENTRIES", 10)
+
+    def f(x):
+        y = lax.reduce_window(jnp.cos(x), -jnp.inf, lax.max, (2, 3), (1, 2), "SAME")
+        return jnp.sin(y)
+
+    x = _uniform((4, 6))
+    _assert_close(graphax_eqx.jacve(f, order=order)(x), jax.jacfwd(f)(x))

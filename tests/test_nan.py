@@ -322,3 +322,23 @@ def test_window_sum_after_an_infinite_partial(order):
         for sparse in (False, True):
             result = gx.jacve(f, order=order, sparse_representation=sparse)(x)
             _check(result.dense() if sparse else result, fwd, rev, order)
+
+
+@pytest.mark.parametrize("order", _ORDERS + ["auto"])
+def test_window_max_before_an_infinite_partial(order):
+    """`1/maxpool(x)` where a window's maximum is 0: the entries the maximum does not
+    take are discarded, as in JAX, not multiplied by the infinite partial."""
+
+    def f(x):
+        y = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2), (1, 2), "VALID")
+        return 1.0 / y
+
+    x = jnp.array([[-1.0, 0.0, -2.0, -3.0], [-1.0, -5.0, -2.0, -0.5]])
+    with np.errstate(all="ignore"):
+        fwd, rev = jax.jacfwd(f)(x), jax.jacrev(f)(x)
+        for sparse in (False, True):
+            result = gx.jacve(f, order=order, sparse_representation=sparse)(x)
+            result = result.dense() if sparse else result
+            _check(result, fwd, rev, order)
+            # Only the entries both modes give as infinite are infinite or NaN.
+            assert np.isfinite(np.asarray(result)).sum() == result.size - 1

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jaxtyping import Array
 
 from .. import _jax_private as jp
-from .._indexed import from_entries
+from .._indexed import CooTensor, _take_last, entry_pattern, finish, from_entries
 from .._sparse import diagonal, from_labeled, linear_map
 from ._base import is_float, register, shape_of
 from .fallback import fallback_rule
@@ -569,16 +570,10 @@ def _every_combination(sizes) -> list[np.ndarray]:
 _MAX_WINDOW_ENTRIES = 1 << 24
 
 
-@register(lax.reduce_window_sum_p)
-def _reduce_window_sum(primals, active, **params):
-    """A windowed sum (average pooling, `lax.reduce_window` with `add`): a static
-    pattern of ones, the product of each axis's window pairs; axes with a unit
-    window and stride become ties."""
-    (x,) = primals
-    out = lax.reduce_window_sum_p.bind(x, **params)
-    if not active[0]:
-        return [out], {}
-    in_shape, out_shape = shape_of(x), shape_of(out)
+def _window_entries(in_shape, out_shape, params):
+    """Flat `(rows, cols)` of every (output, input) pair of a windowed reduction: the
+    product of each axis's window pairs. `None` when there are none, or more than
+    `_MAX_WINDOW_ENTRIES`."""
     axes = [
         _window_pairs(n, *args)
         for n, *args in zip(
@@ -593,17 +588,88 @@ def _reduce_window_sum(primals, active, **params):
     ]
     entries = math.prod(len(o) for o, _, _ in axes)
     if not 0 < entries <= _MAX_WINDOW_ENTRIES:
+        return None
+    # Every combination of one pair per axis is an entry.
+    picks = _every_combination([len(o) for o, _, _ in axes])
+    rows = np.ravel_multi_index([o[k] for (o, _, _), k in zip(axes, picks)], out_shape)
+    cols = np.ravel_multi_index([i[k] for (_, i, _), k in zip(axes, picks)], in_shape)
+    return np.asarray(rows), np.asarray(cols)
+
+
+@register(lax.reduce_window_sum_p)
+def _reduce_window_sum(primals, active, **params):
+    """A windowed sum (average pooling, `lax.reduce_window` with `add`): a static
+    pattern of ones, the product of each axis's window pairs; axes with a unit
+    window and stride become ties."""
+    (x,) = primals
+    out = lax.reduce_window_sum_p.bind(x, **params)
+    if not active[0]:
+        return [out], {}
+    in_shape, out_shape = shape_of(x), shape_of(out)
+    entries = _window_entries(in_shape, out_shape, params)
+    if entries is None:
         # It is linear: past the size, the windowed sum itself is the map.
         partial = _linear_in(
             lax.reduce_window_sum_p, params, primals, 0, out_shape, out.dtype
         )
         return [out], {(0, 0): partial}
-    # Every combination of one pair per axis is an entry.
-    picks = _every_combination([len(o) for o, _, _ in axes])
-    rows = np.asarray(
-        np.ravel_multi_index([o[k] for (o, _, _), k in zip(axes, picks)], out_shape)
+    return [out], {(0, 0): from_entries(out_shape, in_shape, *entries, out.dtype)}
+
+
+def _first_in_rows(hit: Array, rows: np.ndarray, n_rows: int) -> Array:
+    """`hit` (`(..., nnz)`, entries sorted by row) kept only at each row's first hit."""
+    nnz = hit.shape[-1]
+    counts = np.bincount(rows, minlength=n_rows)
+    lead = tuple(hit.shape[:-1])
+    if counts.min() == counts.max():
+        # Every row holds the same number of entries: rows are a trailing axis.
+        by_row = hit.reshape(lead + (n_rows, int(counts[0])))
+        first = jnp.argmax(by_row, axis=-1, keepdims=True)
+        place = lax.broadcasted_iota(first.dtype, by_row.shape, by_row.ndim - 1)
+        return (by_row & (place == first)).reshape(hit.shape)
+    position = lax.broadcasted_iota(np.int32, hit.shape, hit.ndim - 1)
+    position = jnp.where(hit, position, nnz)
+    first = jax.ops.segment_min(
+        jnp.moveaxis(position, -1, 0), rows, n_rows, indices_are_sorted=True
     )
-    cols = np.asarray(
-        np.ravel_multi_index([i[k] for (_, i, _), k in zip(axes, picks)], in_shape)
-    )
-    return [out], {(0, 0): from_entries(out_shape, in_shape, rows, cols, out.dtype)}
+    return hit & (position == jnp.moveaxis(first[rows], 0, -1))
+
+
+def _window_chooser_rule(prim):
+    """A windowed maximum or minimum (max pooling): the windowed sum's pattern, one
+    at the entry each output takes (the first of its window in row-major order where
+    several are equal, as `jax.jacrev` takes) and zero, selected away, at the others.
+    Axes with a unit window and stride are ties along which the choice varies."""
+
+    def rule(primals, active, **params):
+        (x,) = primals
+        out = prim.bind(x, **params)
+        if not active[0]:
+            return [out], {}
+        in_shape, out_shape = shape_of(x), shape_of(out)
+        entries = _window_entries(in_shape, out_shape, params)
+        if entries is None:
+            return fallback_rule(prim, primals, active, params)
+        p, _ = entry_pattern(out_shape, in_shape, *entries)
+        p = p.with_varying((True,) * len(p.ties))
+        tied_out = [o for o, _ in p.ties]
+        tied_in = [i for _, i in p.ties]
+
+        def by_entry(a, tied, free, coords, n_free):
+            a = jnp.transpose(a, tied + list(free))
+            a = a.reshape(p.tie_sizes + (n_free,))
+            return _take_last(a, coords)
+
+        xs = by_entry(x, tied_in, p.in_free, p.cols, p.n_in_free)
+        outs = by_entry(out, tied_out, p.out_free, p.rows, p.n_out_free)
+        chosen = _first_in_rows(xs == outs, p.rows, p.n_out_free)
+        val = chosen.astype(out.dtype)
+        # The other entries' derivatives are discarded, not multiplied by zero.
+        partial = finish(CooTensor(val, p, out.dtype, lax.bitwise_not(chosen)))
+        return [out], {(0, 0): partial}
+
+    return rule
+
+
+register(lax.reduce_window_max_p)(_window_chooser_rule(lax.reduce_window_max_p))
+register(lax.reduce_window_min_p)(_window_chooser_rule(lax.reduce_window_min_p))
