@@ -1,6 +1,7 @@
 """Elemental partial rules, one module per family, and the exact fallback."""
 
 from . import (
+    control as control,
     custom as custom,
     elementwise as elementwise,
     linalg as linalg,

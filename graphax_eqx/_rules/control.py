@@ -1,0 +1,120 @@
+"""`lax.scan` and `lax.cond` as linear maps.
+
+A scan's local Jacobian couples every input to every output through all its steps,
+and is mostly dense. Stored, it costs one JAX pass per row or column (`jax.jacrev`
+of a recurrent network's last state needs one backward pass per state entry). Kept
+as the linear map it is, it costs what JAX's own modes pay: the scan is linearised
+once where it runs, and each partial applies the linearised scan (forward) or its
+transpose (reverse) to whatever its neighbour in the elimination holds. A training
+loss's single cotangent then meets each parameter's map once. `lax.cond` (and
+`lax.switch`) get the same treatment: the linearised branch taken.
+
+Small ones, whose dense Jacobian has at most `_MAX_DENSE_ENTRIES` entries, keep the
+dense fallback: stored partials combine with their neighbours more cheaply than maps.
+`lax.while_loop` has no transpose and keeps the fallback (`jax.jacfwd`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .. import _jax_private as jp
+from .._sparse import linear_map
+from ._base import active_indices, is_float, register, shape_of
+from .fallback import dense_jacobian
+
+
+_MAX_DENSE_ENTRIES = 1 << 14
+
+
+def _size(v) -> int:
+    return math.prod(shape_of(v.aval)) if hasattr(v.aval, "shape") else 1
+
+
+def jaxpr_muls(jaxpr) -> int:
+    """Multiplications one evaluation of `jaxpr` performs, counting products,
+    quotients, contractions and convolutions (a loop body once per step)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive
+        if prim in (lax.mul_p, lax.div_p):
+            total += _size(eqn.outvars[0])
+        elif prim is lax.dot_general_p:
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            lhs = shape_of(eqn.invars[0].aval)
+            total += _size(eqn.outvars[0]) * math.prod(lhs[d] for d in lc)
+        elif prim is lax.conv_general_dilated_p:
+            rhs = shape_of(eqn.invars[1].aval)
+            out_feat = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+            total += _size(eqn.outvars[0]) * (math.prod(rhs) // max(out_feat, 1))
+        elif prim is lax.scan_p:
+            total += eqn.params["length"] * jaxpr_muls(eqn.params["jaxpr"].jaxpr)
+        else:
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(sub, jp.ClosedJaxpr):
+                        sub = sub.jaxpr
+                    if isinstance(sub, jp.Jaxpr):
+                        total += jaxpr_muls(sub)
+    return total
+
+
+def _loop_rule(prim):
+    """Partials of `prim` as linear maps of its linearisation (dense when small)."""
+
+    def rule(primals, active, **params):
+        idx = [i for i in active_indices(active) if is_float(primals[i])]
+        n_in = sum(math.prod(shape_of(primals[i])) for i in idx)
+
+        def run(*xs):
+            args = list(primals)
+            for i, x in zip(idx, xs, strict=True):
+                args[i] = x
+            return jp.bind(prim, params, *args)
+
+        out_types = jax.eval_shape(run, *[primals[i] for i in idx])
+        float_outs = [k for k, o in enumerate(out_types) if is_float(o)]
+        n_out = sum(math.prod(out_types[k].shape) for k in float_outs)
+        has_complex = any(
+            jnp.issubdtype(jnp.result_type(x), jnp.complexfloating)
+            for x in [*primals, *out_types]
+        )
+        if (
+            has_complex
+            or not idx
+            or not float_outs
+            or n_in * n_out <= _MAX_DENSE_ENTRIES
+        ):
+            outs = jp.bind(prim, params, *primals)
+            return outs, dense_jacobian(prim, params, primals, active, outs)
+        # One run gives the outputs and what the linearisation keeps of it.
+        outs, tangent = jax.linearize(run, *[primals[i] for i in idx])
+        zeros = [jnp.zeros_like(primals[i]) for i in idx]
+        muls = jaxpr_muls(jax.make_jaxpr(tangent)(*zeros).jaxpr)
+        partials = {}
+        for a, i in enumerate(idx):
+            for k in float_outs:
+
+                def fn(t, a=a, k=k):
+                    tangents = list(zeros)
+                    tangents[a] = t
+                    return tangent(*tangents)[k].astype(outs[k].dtype)
+
+                partials[(k, i)] = linear_map(
+                    fn,
+                    shape_of(primals[i]),
+                    shape_of(outs[k]),
+                    outs[k].dtype,
+                    muls=muls,
+                )
+        return list(outs), partials
+
+    return rule
+
+
+register(lax.scan_p)(_loop_rule(lax.scan_p))
+register(lax.cond_p)(_loop_rule(lax.cond_p))

@@ -1,0 +1,192 @@
+"""`lax.scan` and `lax.cond` as linear maps of their linearisation.
+
+Programs small enough for the dense fallback are covered by `test_programs.py`; here
+the dense limit is lowered so that every scan and cond becomes a map, and the
+Jacobians are compared with JAX's in every order, dense and sparse, eager and under
+`jit`.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax import lax
+
+import graphax_eqx as gx
+import graphax_eqx._rules.control as control
+
+from .helpers import tolerances
+
+
+_ORDERS = ["fwd", "rev", "markowitz", "min_fill", "auto"]
+
+
+def _matrix(n, seed, dtype):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.normal(size=(n, n)) / np.sqrt(n), dtype)
+
+
+def _carry_and_outputs(x):
+    # A float carry, an integer counter, stacked outputs and a closed-over matrix.
+    w = _matrix(6, 0, x.dtype)
+
+    def step(carry, xi):
+        h, count = carry
+        h = jnp.tanh(w @ h + xi * x[:6])
+        return (h, count + 1), jnp.sin(h[:2]) * xi[:2]
+
+    xs = x[6:14, None] * jnp.ones((8, 6), x.dtype)
+    (h, count), ys = lax.scan(step, (x[8:14], 0), xs)
+    return jnp.concatenate([h * count, ys.reshape(-1)])
+
+
+def _no_inputs(x):
+    # Weights from the differentiated argument, nothing scanned over.
+    a, b = x[:36].reshape(6, 6), x[36:42]
+
+    def step(h, _):
+        return jnp.tanh(a @ h) * b, jnp.sum(h)
+
+    h, ys = lax.scan(step, jnp.ones(6, x.dtype), None, length=7)
+    return jnp.concatenate([h, ys])
+
+
+def _reverse_unrolled_batched(x):
+    def one(v):
+        def step(c, vi):
+            return c * jnp.cos(vi) + vi, c
+
+        c, ys = lax.scan(step, v[0], v, reverse=True, unroll=2)
+        return ys * c
+
+    return jax.vmap(one)(x.reshape(4, 9)).reshape(-1)
+
+
+def _nested(x):
+    def outer(c, row):
+        def inner(d, v):
+            return d * jnp.sin(v) + v, d
+
+        d, ds = lax.scan(inner, c, row)
+        return d, jnp.sum(ds)
+
+    c, ys = lax.scan(outer, x[0], x[1:].reshape(4, 5))
+    return jnp.append(ys, c)
+
+
+def _fori(x):
+    w = _matrix(5, 1, x.dtype)
+    return lax.fori_loop(0, 6, lambda i, h: jnp.tanh(w @ h) + h * i, x)
+
+
+def _cond(x):
+    w = _matrix(8, 2, x.dtype)
+    y, index = lax.cond(
+        x[0] > 0,
+        lambda v: (jnp.sin(w @ v), jnp.argmax(v)),
+        lambda v: (v * v[::-1], jnp.asarray(3)),
+        x,
+    )
+    branches = [jnp.tanh, lambda v: v**3, lambda v: jnp.exp(-v)]
+    return lax.switch(jnp.argmin(x) % 3, branches, y) * index
+
+
+_PROGRAMS = {
+    "carry_and_outputs": (_carry_and_outputs, 14),
+    "no_inputs": (_no_inputs, 42),
+    "reverse_unrolled_batched": (_reverse_unrolled_batched, 36),
+    "nested": (_nested, 21),
+    "fori": (_fori, 5),
+    "cond": (_cond, 8),
+}
+
+
+@pytest.fixture
+def maps(monkeypatch):
+    monkeypatch.setattr(control, "_MAX_DENSE_ENTRIES", 0)
+
+
+def _close(actual, expected, dtype):
+    rtol, atol = tolerances(dtype)
+    scale = max(1.0, float(jnp.max(jnp.abs(expected))))
+    np.testing.assert_allclose(actual, expected, rtol=rtol * 10, atol=atol * 10 * scale)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("name", _PROGRAMS)
+def test_loops_as_maps(name, dtype, maps):
+    fn, n = _PROGRAMS[name]
+    rng = np.random.default_rng(3)
+    for sign in (1.0, -1.0) if name == "cond" else (1.0,):
+        x = jnp.asarray(rng.uniform(-1, 1, n), dtype).at[0].multiply(sign)
+        fwd, rev = jax.jacfwd(fn)(x), jax.jacrev(fn)(x)
+        _close(fwd, rev, dtype)
+        # Eagerly once, then every order under `jit`.
+        _close(gx.jacve(fn)(x), rev, dtype)
+        for order in _ORDERS:
+            for sparse in (False, True):
+                jac = gx.jacve(fn, order=order, sparse_representation=sparse)
+                result = jax.jit(jac)(x)
+                _close(result.dense() if sparse else result, rev, dtype)
+
+
+@pytest.mark.parametrize("name", ["carry_and_outputs", "cond"])
+def test_loop_counts_match_the_simulator(name, maps):
+    fn, n = _PROGRAMS[name]
+    x = jnp.linspace(-0.5, 0.7, n)
+    for order in ["fwd", "rev", "markowitz"]:
+        _, counts = gx.jacve(fn, order=order, count_ops=True)(x)
+        assert counts["num_muls"] > 0
+        assert gx.elimination_cost(fn, order=order)(x).num_muls == counts["num_muls"]
+
+
+def test_second_derivative_through_a_scan(maps):
+    fn, n = _PROGRAMS["fori"]
+
+    def loss(x):
+        return jnp.sum(fn(x) ** 2)
+
+    x = jnp.linspace(-0.5, 0.7, n)
+    hessian = gx.jacve(gx.jacve(loss, order="rev"), order="fwd")(x)
+    _close(hessian, jax.hessian(loss)(x), jnp.float32)
+
+
+def _largest_array(closed) -> int:
+    sizes = [0]
+    for eqn in closed.jaxpr.eqns:
+        for v in eqn.outvars:
+            sizes.append(int(np.prod(v.aval.shape)))
+        for value in eqn.params.values():
+            if hasattr(value, "jaxpr") and hasattr(value, "consts"):
+                sizes.append(_largest_array(value))
+    return max(sizes)
+
+
+def test_recurrent_loss_needs_no_dense_jacobian():
+    """A scalar loss through a long recurrence: the scan's partials are applied to
+    the one cotangent, never stored (the stored block would have 16 · 32 · 1056
+    entries)."""
+    cell = eqx.nn.GRUCell(8, 32, key=jr.PRNGKey(0))
+    xs = jr.normal(jr.PRNGKey(1), (16, 40, 8))
+
+    def loss(cell, xs):
+        def run(seq):
+            def step(h, x):
+                return cell(x, h), None
+
+            return lax.scan(step, jnp.zeros(32), seq)[0]
+
+        return jnp.mean(jax.vmap(run)(xs) ** 2)
+
+    grads = gx.filter_jacve(loss)(cell, xs)
+    expected = eqx.filter_grad(loss)(cell, xs)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    params, static = eqx.partition(cell, eqx.is_array)
+    program = jax.make_jaxpr(
+        lambda p, xs: gx.filter_jacve(loss)(eqx.combine(p, static), xs)
+    )(params, xs)
+    dense_block = 16 * 32 * cell.weight_hh.size
+    assert _largest_array(program) < dense_block // 8
