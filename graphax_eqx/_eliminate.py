@@ -24,6 +24,7 @@ from ._sparse import (
     add,
     plan_has_val,
     product,
+    product_muls,
     product_plan,
     sum_plan,
 )
@@ -49,6 +50,11 @@ def sim_edge(partial) -> SimEdge:
 def sim_product(a: SimEdge, b: SimEdge) -> tuple[SimEdge, int]:
     plan = product_plan(a.pattern, b.pattern, a.has_val, b.has_val)
     return SimEdge(plan.pattern, plan_has_val(plan, a.has_val, b.has_val)), plan.muls
+
+
+def sim_product_muls(a: SimEdge, b: SimEdge) -> int:
+    """The multiplications of `sim_product(a, b)`, without its result's pattern."""
+    return product_muls(a.pattern, b.pattern, a.has_val, b.has_val)
 
 
 def sim_add(a: SimEdge, b: SimEdge) -> tuple[SimEdge, int]:

@@ -694,8 +694,8 @@ def _untied_pair(pa: CooPattern, pb: CooPattern):
 
 
 @functools.lru_cache(maxsize=4096)
-def dense_is_better(pa: CooPattern, pb: CooPattern) -> bool:
-    """Whether `A · B` should run on dense free parts rather than entry by entry."""
+def _pair_count(pa: CooPattern, pb: CooPattern) -> tuple[int, CooPattern, CooPattern]:
+    """Entry pairs of `A · B` (found without listing them), and the untied operands."""
     pa2, _, pb2, _ = _untied_pair(pa, pb)
     n_v = pa2.n_in_free
     pairs = int(
@@ -704,6 +704,28 @@ def dense_is_better(pa: CooPattern, pb: CooPattern) -> bool:
             np.bincount(pb2.rows, minlength=n_v).astype(np.float64),
         )
     )
+    return pairs, pa2, pb2
+
+
+def coo_product_muls(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool) -> int:
+    """The multiplications of `coo_product_plan(pa, pb, a_val, b_val)`, without
+    planning the product entry by entry."""
+    if not (a_val and b_val):
+        return 0
+    pairs, pa2, pb2 = _pair_count(pa, pb)
+    b_by_v = {o: t for t, (o, _) in enumerate(pb2.ties)}
+    lead = 1
+    for ta, (o, j) in enumerate(pa2.ties):
+        if pa2.varying[ta] or pb2.varying[b_by_v[j]]:
+            lead *= pa2.out_shape[o]
+    return pairs * lead
+
+
+@functools.lru_cache(maxsize=4096)
+def dense_is_better(pa: CooPattern, pb: CooPattern) -> bool:
+    """Whether `A · B` should run on dense free parts rather than entry by entry."""
+    pairs, pa2, pb2 = _pair_count(pa, pb)
+    n_v = pa2.n_in_free
     dense_muls = pa2.n_out_free * n_v * pb2.n_in_free
     if pairs > MAX_PAIRS:
         return True
@@ -1147,6 +1169,25 @@ def _converted(pa, pb, a_val: bool, b_val: bool):
 def _coo_pattern_of(p: Pattern, has_val: bool) -> CooPattern:
     coo = _coo_of_labeled(p)[0]
     return coo if has_val else coo.with_varying((False,) * len(coo.ties))
+
+
+def mixed_product_muls(pa, pb, a_val: bool, b_val: bool) -> int:
+    """The multiplications of `mixed_product_plan(pa, pb, a_val, b_val)`; products
+    of coordinates are counted without being planned (scoring an elimination needs
+    no more, and a product of millions of entry pairs takes seconds to plan)."""
+    from ._band import band_product_plan, unbanded
+
+    if band_product_plan(pa, pb) is None:
+        qa, qa_val, qb, qb_val = unbanded(pa, a_val, pb, b_val)
+        if not (isinstance(qa, CooPattern) and isinstance(qb, CooPattern)):
+            _, _, qa, qb, qa_val, qb_val = _converted(qa, qb, qa_val, qb_val)
+        if (
+            isinstance(qa, CooPattern)
+            and isinstance(qb, CooPattern)
+            and not dense_is_better(qa, qb)
+        ):
+            return coo_product_muls(qa, qb, qa_val, qb_val)
+    return mixed_product_plan(pa, pb, a_val, b_val).muls
 
 
 def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):

@@ -14,7 +14,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
-from ._eliminate import SimEdge, sim_add, sim_product, structurally_zero, written
+from ._eliminate import (
+    SimEdge,
+    sim_add,
+    sim_product,
+    sim_product_muls,
+    structurally_zero,
+    written,
+)
 from ._graph import EdgeGraph
 
 
@@ -120,6 +127,7 @@ class Simulator:
         self._written: list[int] = []
         self._zero: list[bool] = []
         self._prod: dict[int, tuple[int, int]] = {}
+        self._muls: dict[int, int] = {}
         self._sum: dict[int, tuple[int, int]] = {}
         n = len(self.vertices)
         pred: list[dict[int, int]] = [{} for _ in range(n)]
@@ -165,6 +173,19 @@ class Simulator:
             found = (self._intern(edge), int(adds))
             self._sum[key] = found
         return found
+
+    def _product_muls(self, a: int, b: int) -> int:
+        """The multiplications of `edge[a] · edge[b]`, from the product's plan where
+        it was made, else counted without making it (scores need no more)."""
+        key = a * _SHIFT + b
+        found = self._prod.get(key)
+        if found is not None:
+            return found[1]
+        muls = self._muls.get(key)
+        if muls is None:
+            muls = int(sim_product_muls(self._edges[a], self._edges[b]))
+            self._muls[key] = muls
+        return muls
 
     def product_id(self, a: int, b: int) -> int:
         """The pattern id of `edge[a] · edge[b]`."""
@@ -229,14 +250,10 @@ class Simulator:
     def vertex_muls(self, state: State, i: int) -> int:
         """Multiplications eliminating internal vertex `i` would cost now."""
         total = 0
-        prod = self._prod
         outs = list(state.succ[i].values())
         for b in state.pred[i].values():
             for a in outs:
-                found = prod.get(a * _SHIFT + b)
-                if found is None:
-                    found = self._product(a, b)
-                total += found[1]
+                total += self._product_muls(a, b)
         return total
 
     def vertex_fill(self, state: State, i: int) -> tuple[int, int]:

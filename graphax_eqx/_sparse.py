@@ -679,6 +679,14 @@ def product_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
     return _sparse_product_plan(pa, pb, a_val, b_val)
 
 
+def product_muls(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool) -> int:
+    """The multiplications of `product_plan(pa, pb, a_val, b_val)`, planning only
+    what counting needs."""
+    if _coordinates(pa) or _coordinates(pb):
+        return _indexed.mixed_product_muls(pa, pb, a_val, b_val)
+    return product_plan(pa, pb, a_val, b_val).muls
+
+
 def has_val(partial: Partial) -> bool:
     """Whether `partial` stores values (a linear map always counts as storing them)."""
     if isinstance(partial, (SparseTensor, _indexed.CooTensor)):

@@ -11,8 +11,8 @@ import pytest
 import graphax_eqx as gx
 from benchmarks import sparse_tasks as sparse_registry, tasks as task_registry
 from graphax_eqx import _search
-from graphax_eqx._orders import AUTO_MARGIN, graph_fingerprint
-from graphax_eqx._simulator import Simulator
+from graphax_eqx._orders import AUTO_MARGIN, HEURISTICS, graph_fingerprint
+from graphax_eqx._simulator import _SHIFT, Simulator
 
 from .helpers import assert_tree_matches, graph_of, reference_jacobians
 
@@ -481,3 +481,35 @@ def test_small_graphs_are_searched_exhaustively():
         _tiny, argnums=(0, 1), budget_s=60.0, max_evals=3, progress=False
     )(*args)
     assert not cut.exhaustive
+
+
+def _attention_scores(x, w):
+    # Scores of 2-head attention on a batch: coordinate partials whose products
+    # with the weights' partial pair up many entries.
+    q = (x @ w).reshape(3, 5, 2, 4)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, q)
+    return jax.nn.softmax(s, axis=-1)
+
+
+def test_scores_count_products_without_planning_them():
+    # Greedy scores count a product's multiplications from its operands alone;
+    # the count must be the one the product's full plan gives.
+    programs = [
+        (_stencil_with_slices, (jnp.linspace(0.1, 0.9, 40),), 0),
+        (
+            _attention_scores,
+            (jnp.linspace(-1, 1, 120).reshape(3, 5, 8), jnp.eye(8) * 0.5),
+            (0, 1),
+        ),
+    ]
+    task, args = _task_args("RobotArm_6DOF")
+    programs.append((task.fn, args, task.argnums))
+    for fun, args, argnums in programs:
+        graph = gx.make_graph(fun, argnums=argnums)(*args)
+        sim = Simulator(graph._sim, graph.intermediates)
+        for heuristic in HEURISTICS.values():
+            heuristic(sim)
+        assert sim._muls
+        for key, muls in sim._muls.items():
+            a, b = divmod(key, _SHIFT)
+            assert sim._product(a, b)[1] == muls
