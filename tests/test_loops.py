@@ -16,6 +16,7 @@ from jax import lax
 
 import graphax_eqx as gx
 import graphax_eqx._rules.control as control
+from graphax_eqx._sparse import linear_map
 
 from .helpers import tolerances
 
@@ -105,7 +106,16 @@ _PROGRAMS = {
 
 @pytest.fixture
 def maps(monkeypatch):
+    """Every scan and cond becomes linear maps; returns how many were made."""
+    made = []
+
+    def counted(*args, **kwargs):
+        made.append(args[1:3])
+        return linear_map(*args, **kwargs)
+
     monkeypatch.setattr(control, "_MAX_DENSE_ENTRIES", 0)
+    monkeypatch.setattr(control, "linear_map", counted)
+    return made
 
 
 def _close(actual, expected, dtype):
@@ -130,6 +140,29 @@ def test_loops_as_maps(name, dtype, maps):
                 jac = gx.jacve(fn, order=order, sparse_representation=sparse)
                 result = jax.jit(jac)(x)
                 _close(result.dense() if sparse else result, rev, dtype)
+    assert maps
+
+
+def _mixed_precision(x):
+    # A float32 state driven by float16 inputs, read out in float32.
+    w = _matrix(6, 4, jnp.float32)
+
+    def step(h, xi):
+        h = jnp.tanh(w @ h + xi.astype(jnp.float32))
+        return h, (h[:2] * 2).astype(jnp.float16)
+
+    h, ys = lax.scan(step, x[:6], x[6:].reshape(3, 6).astype(jnp.float16))
+    return jnp.concatenate([h, ys.reshape(-1).astype(jnp.float32)])
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "auto"])
+def test_loop_inputs_outputs_and_state_in_different_dtypes(order, maps):
+    x = jnp.linspace(-0.8, 0.9, 24, dtype=jnp.float32)
+    expected = jax.jacrev(_mixed_precision)(x)
+    result = jax.jit(gx.jacve(_mixed_precision, order=order))(x)
+    assert result.dtype == expected.dtype
+    np.testing.assert_allclose(result, expected, rtol=2e-2, atol=2e-3)
+    assert maps
 
 
 @pytest.mark.parametrize("name", ["carry_and_outputs", "cond"])

@@ -6,7 +6,9 @@ of a recurrent network's last state needs one backward pass per state entry). Ke
 as the linear map it is, it costs what JAX's own modes pay: the scan is linearised
 once where it runs, and each partial applies the linearised scan (forward) or its
 transpose (reverse) to whatever its neighbour in the elimination holds. A training
-loss's single cotangent then meets each parameter's map once. `lax.cond` (and
+loss's single cotangent then meets each parameter's map once: one backward pass per
+differentiated input, against one per state entry stored (JAX's own reverse mode
+makes one in all). `lax.cond` (and
 `lax.switch`) get the same treatment: the linearised branch taken.
 
 Small ones, whose dense Jacobian has at most `_MAX_DENSE_ENTRIES` entries, keep the
@@ -53,6 +55,9 @@ def jaxpr_muls(jaxpr) -> int:
             total += _size(eqn.outvars[0]) * (math.prod(rhs) // max(out_feat, 1))
         elif prim is lax.scan_p:
             total += eqn.params["length"] * jaxpr_muls(eqn.params["jaxpr"].jaxpr)
+        elif prim is lax.cond_p:
+            # One branch runs.
+            total += max(jaxpr_muls(b.jaxpr) for b in eqn.params["branches"])
         else:
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):
@@ -99,9 +104,11 @@ def _loop_rule(prim):
         for a, i in enumerate(idx):
             for k in float_outs:
 
-                def fn(t, a=a, k=k):
+                def fn(t, a=a, i=i, k=k):
+                    # The map takes and gives the partial's dtype; the linearised
+                    # loop takes each input's own.
                     tangents = list(zeros)
-                    tangents[a] = t
+                    tangents[a] = t.astype(primals[i].dtype)
                     return tangent(*tangents)[k].astype(outs[k].dtype)
 
                 partials[(k, i)] = linear_map(
