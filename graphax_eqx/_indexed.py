@@ -1171,34 +1171,13 @@ def _coo_pattern_of(p: Pattern, has_val: bool) -> CooPattern:
     return coo if has_val else coo.with_varying((False,) * len(coo.ties))
 
 
-def mixed_product_muls(pa, pb, a_val: bool, b_val: bool) -> int:
-    """The multiplications of `mixed_product_plan(pa, pb, a_val, b_val)`; products
-    of coordinates are counted without being planned (scoring an elimination needs
-    no more, and a product of millions of entry pairs takes seconds to plan)."""
-    from ._band import band_product_plan, unbanded
+def _routed(pa, pb, a_val: bool, b_val: bool):
+    """How a product with coordinates on a side, and no band product, is planned:
+    `(entrywise, conv_a, conv_b, pa, pb, a_val, b_val)` with the operands converted
+    for the plan, entry by entry over coordinates when `entrywise`, else by
+    `product_plan` over dense free parts."""
+    from ._band import unbanded
 
-    if band_product_plan(pa, pb) is None:
-        qa, qa_val, qb, qb_val = unbanded(pa, a_val, pb, b_val)
-        if not (isinstance(qa, CooPattern) and isinstance(qb, CooPattern)):
-            _, _, qa, qb, qa_val, qb_val = _converted(qa, qb, qa_val, qb_val)
-        if (
-            isinstance(qa, CooPattern)
-            and isinstance(qb, CooPattern)
-            and not dense_is_better(qa, qb)
-        ):
-            return coo_product_muls(qa, qb, qa_val, qb_val)
-    return mixed_product_plan(pa, pb, a_val, b_val).muls
-
-
-def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
-    """Plan `A · B` where at least one side is a static sparse pattern (coordinates
-    or a band)."""
-    from ._band import band_product_plan, unbanded
-    from ._sparse import plan_has_val, product_plan
-
-    band = band_product_plan(pa, pb)
-    if band is not None:
-        return band
     # A band meeting anything else goes back to its exact coordinates.
     pa, a_val, pb, b_val = unbanded(pa, a_val, pb, b_val)
     originals = (pa, pb, a_val, b_val)
@@ -1207,19 +1186,7 @@ def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
         conv_a, conv_b, pa, pb, a_val, b_val = _converted(pa, pb, a_val, b_val)
     if isinstance(pa, CooPattern) and isinstance(pb, CooPattern):
         if not dense_is_better(pa, pb):
-            plan = coo_product_plan(pa, pb, a_val, b_val)
-            if conv_a is None and conv_b is None:
-                return plan
-            return ConvertPlan(
-                plan.pattern,
-                "convert",
-                plan.muls,
-                0,
-                plan.has_val,
-                conv_a,
-                conv_b,
-                plan,
-            )
+            return True, conv_a, conv_b, pa, pb, a_val, b_val
         # Dense free parts: sparse operands go to labeled form, labeled ones stay.
         pa, pb, a_val, b_val = originals
         conv_a = conv_b = None
@@ -1227,6 +1194,43 @@ def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
             conv_a, pa, a_val = "labeled", labeled_pattern(pa)[0], True
         if isinstance(pb, CooPattern):
             conv_b, pb, b_val = "labeled", labeled_pattern(pb)[0], True
+    return False, conv_a, conv_b, pa, pb, a_val, b_val
+
+
+def mixed_product_muls(pa, pb, a_val: bool, b_val: bool) -> int:
+    """The multiplications of `mixed_product_plan(pa, pb, a_val, b_val)`; products
+    of coordinates are counted without being planned (scoring an elimination needs
+    no more, and a product of millions of entry pairs takes seconds to plan)."""
+    from ._band import band_product_plan
+    from ._sparse import product_plan
+
+    band = band_product_plan(pa, pb)
+    if band is not None:
+        return band.muls
+    entrywise, _, _, pa, pb, a_val, b_val = _routed(pa, pb, a_val, b_val)
+    if entrywise:
+        assert isinstance(pa, CooPattern) and isinstance(pb, CooPattern)
+        return coo_product_muls(pa, pb, a_val, b_val)
+    return product_plan(pa, pb, a_val, b_val).muls
+
+
+def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
+    """Plan `A · B` where at least one side is a static sparse pattern (coordinates
+    or a band)."""
+    from ._band import band_product_plan
+    from ._sparse import plan_has_val, product_plan
+
+    band = band_product_plan(pa, pb)
+    if band is not None:
+        return band
+    entrywise, conv_a, conv_b, pa, pb, a_val, b_val = _routed(pa, pb, a_val, b_val)
+    if entrywise:
+        plan = coo_product_plan(pa, pb, a_val, b_val)
+        if conv_a is None and conv_b is None:
+            return plan
+        return ConvertPlan(
+            plan.pattern, "convert", plan.muls, 0, plan.has_val, conv_a, conv_b, plan
+        )
     inner = product_plan(pa, pb, a_val, b_val)
     return ConvertPlan(
         inner.pattern,
