@@ -1157,6 +1157,35 @@ def test_window_max_takes_the_first_of_equal_entries(order, sparse):
         np.testing.assert_array_equal(jac, jax.jacrev(f)(x))
 
 
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("reducer", ["max", "min"])
+def test_window_chooser_with_nan_and_infinite_entries(order, sparse, reducer):
+    """Windows holding NaN, or only infinities of the identity's sign, give the
+    derivative to the entry `jax.jacrev` gives it to: the entry after a NaN, a final
+    NaN, or the padding (no input) where the padding comes first among equals."""
+    op, identity = (lax.max, -jnp.inf) if reducer == "max" else (lax.min, jnp.inf)
+    rng = np.random.default_rng(3)
+    values = np.array([0.0, 1.0, np.nan, np.inf, -np.inf], np.float32)
+    for window, strides, padding, base in [
+        ((3,), (1,), "SAME", None),
+        ((2,), (2,), "VALID", None),
+        ((3,), (2,), ((2, 1),), None),
+        ((2,), (1,), ((1, 1),), (2,)),
+    ]:
+
+        def f(x):
+            return lax.reduce_window(
+                x, identity, op, window, strides, padding, base_dilation=base
+            )
+
+        for _ in range(12):
+            x = jnp.asarray(rng.choice(values, size=7))
+            jac = graphax_eqx.jacve(f, order=order, sparse_representation=sparse)(x)
+            jac = jac.dense() if sparse else jac
+            np.testing.assert_array_equal(jac, jax.jacrev(f)(x))
+
+
 @pytest.mark.parametrize("order", ["fwd", "rev"])
 def test_window_max_past_the_pattern_size(order, monkeypatch):
     """A windowed maximum too large for a pattern still has the right Jacobian."""

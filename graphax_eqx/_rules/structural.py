@@ -571,9 +571,10 @@ _MAX_WINDOW_ENTRIES = 1 << 24
 
 
 def _window_entries(in_shape, out_shape, params):
-    """Flat `(rows, cols)` of every (output, input) pair of a windowed reduction: the
-    product of each axis's window pairs. `None` when there are none, or more than
-    `_MAX_WINDOW_ENTRIES`."""
+    """Flat `(rows, cols, window)` of every (output, input) pair of a windowed
+    reduction: the product of each axis's window pairs, with the flat row-major
+    position in the window through which the output reads the input. `None` when
+    there are none, or more than `_MAX_WINDOW_ENTRIES`."""
     axes = [
         _window_pairs(n, *args)
         for n, *args in zip(
@@ -593,7 +594,10 @@ def _window_entries(in_shape, out_shape, params):
     picks = _every_combination([len(o) for o, _, _ in axes])
     rows = np.ravel_multi_index([o[k] for (o, _, _), k in zip(axes, picks)], out_shape)
     cols = np.ravel_multi_index([i[k] for (_, i, _), k in zip(axes, picks)], in_shape)
-    return np.asarray(rows), np.asarray(cols)
+    window = np.ravel_multi_index(
+        [w[k] for (_, _, w), k in zip(axes, picks)], params["window_dimensions"]
+    )
+    return np.asarray(rows), np.asarray(cols), np.asarray(window)
 
 
 @register(lax.reduce_window_sum_p)
@@ -613,33 +617,34 @@ def _reduce_window_sum(primals, active, **params):
             lax.reduce_window_sum_p, params, primals, 0, out_shape, out.dtype
         )
         return [out], {(0, 0): partial}
-    return [out], {(0, 0): from_entries(out_shape, in_shape, *entries, out.dtype)}
+    rows, cols, _ = entries
+    return [out], {(0, 0): from_entries(out_shape, in_shape, rows, cols, out.dtype)}
 
 
-def _first_in_rows(hit: Array, rows: np.ndarray, n_rows: int) -> Array:
-    """`hit` (`(..., nnz)`, entries sorted by row) kept only at each row's first hit."""
-    nnz = hit.shape[-1]
-    counts = np.bincount(rows, minlength=n_rows)
-    lead = tuple(hit.shape[:-1])
-    if counts.min() == counts.max():
-        # Every row holds the same number of entries: rows are a trailing axis.
-        by_row = hit.reshape(lead + (n_rows, int(counts[0])))
-        first = jnp.argmax(by_row, axis=-1, keepdims=True)
-        place = lax.broadcasted_iota(first.dtype, by_row.shape, by_row.ndim - 1)
-        return (by_row & (place == first)).reshape(hit.shape)
-    position = lax.broadcasted_iota(np.int32, hit.shape, hit.ndim - 1)
-    position = jnp.where(hit, position, nnz)
-    first = jax.ops.segment_min(
-        jnp.moveaxis(position, -1, 0), rows, n_rows, indices_are_sorted=True
-    )
-    return hit & (position == jnp.moveaxis(first[rows], 0, -1))
+def _chosen_in_windows(windows: Array) -> Array:
+    """The position each window (last axis, row-major window order) takes, as
+    `jax.jacrev` takes it for a windowed maximum: a fold that keeps the entry held
+    while it is `>=` the next one and takes the next one otherwise. Equal entries
+    keep the first; a NaN is taken when met and given up for the entry after it, so
+    the fold ends on the first maximum after the last NaN (or on a final NaN)."""
+    k = windows.shape[-1]
+    place = lax.broadcasted_iota(np.int32, windows.shape, windows.ndim - 1)
+    last_nan = jnp.max(jnp.where(jnp.isnan(windows), place, -1), -1, keepdims=True)
+    after = place > last_nan
+    low = jnp.array(-jnp.inf, windows.dtype)
+    top = jnp.max(jnp.where(after, windows, low), -1, keepdims=True)
+    first = jnp.argmax(after & (windows == top), -1, keepdims=True)
+    return jnp.where(last_nan == k - 1, k - 1, first)
 
 
-def _window_chooser_rule(prim):
-    """A windowed maximum or minimum (max pooling): the windowed sum's pattern, one
-    at the entry each output takes (the first of its window in row-major order where
-    several are equal, as `jax.jacrev` takes) and zero, selected away, at the others.
-    Axes with a unit window and stride are ties along which the choice varies."""
+def _window_chooser_rule(prim, sign):
+    """A windowed maximum (`sign = 1`) or minimum (`sign = -1`; max pooling): the
+    windowed sum's pattern, one at the entry each output takes and zero, selected
+    away, at the others. The entry taken is the one `jax.jacrev` takes: among equal
+    entries the first in row-major window order, with padding and dilation holes
+    taking part as the reduction's identity (a window whose entries are all the
+    identity takes its padding, and no input). Axes with a unit window and stride
+    are ties along which the choice varies."""
 
     def rule(primals, active, **params):
         (x,) = primals
@@ -650,19 +655,21 @@ def _window_chooser_rule(prim):
         entries = _window_entries(in_shape, out_shape, params)
         if entries is None:
             return fallback_rule(prim, primals, active, params)
-        p, _ = entry_pattern(out_shape, in_shape, *entries)
+        p, window = entry_pattern(out_shape, in_shape, *entries)
+        assert window is not None
         p = p.with_varying((True,) * len(p.ties))
-        tied_out = [o for o, _ in p.ties]
         tied_in = [i for _, i in p.ties]
-
-        def by_entry(a, tied, free, coords, n_free):
-            a = jnp.transpose(a, tied + list(free))
-            a = a.reshape(p.tie_sizes + (n_free,))
-            return _take_last(a, coords)
-
-        xs = by_entry(x, tied_in, p.in_free, p.cols, p.n_in_free)
-        outs = by_entry(out, tied_out, p.out_free, p.rows, p.n_out_free)
-        chosen = _first_in_rows(xs == outs, p.rows, p.n_out_free)
+        xs = jnp.transpose(x, tied_in + list(p.in_free))
+        xs = _take_last(xs.reshape(p.tie_sizes + (p.n_in_free,)), p.cols)
+        # Every output's whole window, padding and holes holding the identity.
+        k = math.prod(params["window_dimensions"])
+        slot = np.full(p.n_out_free * k, p.nnz, np.int64)
+        slot[p.rows * k + window] = np.arange(p.nnz)
+        low = jnp.full(p.tie_sizes + (1,), -jnp.inf, xs.dtype)
+        padded = lax.concatenate([sign * xs, low], xs.ndim - 1)
+        windows = _take_last(padded, slot).reshape(p.tie_sizes + (p.n_out_free, k))
+        taken = _chosen_in_windows(windows).reshape(p.tie_sizes + (p.n_out_free,))
+        chosen = _take_last(taken, p.rows) == jnp.asarray(window, taken.dtype)
         val = chosen.astype(out.dtype)
         # The other entries' derivatives are discarded, not multiplied by zero.
         partial = finish(CooTensor(val, p, out.dtype, lax.bitwise_not(chosen)))
@@ -671,5 +678,5 @@ def _window_chooser_rule(prim):
     return rule
 
 
-register(lax.reduce_window_max_p)(_window_chooser_rule(lax.reduce_window_max_p))
-register(lax.reduce_window_min_p)(_window_chooser_rule(lax.reduce_window_min_p))
+register(lax.reduce_window_max_p)(_window_chooser_rule(lax.reduce_window_max_p, 1))
+register(lax.reduce_window_min_p)(_window_chooser_rule(lax.reduce_window_min_p, -1))
