@@ -471,6 +471,10 @@ class LinearMap:
     tfn: Callable[[Array], Array]
     pattern: LinearPattern
     dtype: Any
+    # `(group, slot)`: `fn` (or `tfn`) is output `slot` of a `SharedApply`, which
+    # computes its sibling maps' outputs in the same pass.
+    shared_fn: tuple[SharedApply, int] | None = None
+    shared_tfn: tuple[SharedApply, int] | None = None
 
     @property
     def shape(self):
@@ -483,6 +487,55 @@ class LinearMap:
     @property
     def in_shape(self):
         return self.pattern.in_shape
+
+
+class SharedApply:
+    """Several linear maps computed by one function: the partials of one primitive
+    from one of its inputs to all of its outputs (or their transposes, from one
+    output to all inputs), whose maps share one pass (a linearised loop run once for
+    every output). `fn(x)` gives every map's output as a tuple.
+
+    Applied to the same array several times (as the products of one vertex's
+    elimination apply each sibling to the same neighbour), `fn` runs once and each
+    map takes its own output.
+    """
+
+    def __init__(self, fn: Callable[[Array], tuple[Array, ...]]):
+        self.fn = fn
+        self._seen: list[tuple[tuple, tuple[Array, ...]]] = []
+        self._derived: list[tuple[str, Any, SharedApply]] = []
+
+    def then(self, tag: str, other: Any, make: Callable[[], Callable]) -> SharedApply:
+        """The group of these maps each composed with `other` the same way (`tag`),
+        made once: siblings composed with one neighbour stay siblings."""
+        for seen_tag, seen, group in self._derived:
+            if seen_tag == tag and seen is other:
+                return group
+        group = SharedApply(make())
+        self._derived.append((tag, other, group))
+        return group
+
+    def apply(self, how: Callable, x: Array, n: int, slot: int, key: tuple) -> Array:
+        """`how(self.fn, x, n=n)[slot]`, computed once per `(how, n, key)`: `key`
+        names `x` (the partial it was read from, how, and which of its arrays), as
+        the same partial met twice is read into distinct but equal arrays."""
+        for seen, outs in self._seen:
+            if _same_key(seen, (how, n) + key):
+                return outs[slot]
+        outs = how(self.fn, x, n=n)
+        self._seen.append(((how, n) + key, outs))
+        return outs[slot]
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    """Keys are equal: objects compared by identity, patterns and names by value."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        same = x == y if isinstance(x, (str, int, Pattern)) else x is y
+        if not same:
+            return False
+    return True
 
 
 def linear_map(
@@ -768,13 +821,16 @@ def _sparse_product_plan(pa: Pattern, pb: Pattern, a_val: bool, b_val: bool):
     return _ProductPlan(pattern, "einsum", muls, a_sub, b_sub, out_sub, factor)
 
 
-def _apply_masked(apply, val: Array, st: SparseTensor, refined: Pattern):
+def _apply_masked(
+    apply, val: Array, st: SparseTensor, refined: Pattern, apply_probe=None
+):
     """`apply(val)` for a linear map met by the refined values of `st`, and the
     result's mask when `st` has one.
 
-    The map is also applied to a probe that is NaN on the entries of `st` that are
-    stored and not selected away, and zero elsewhere: an entry of the result that
-    no such entry reaches is made only of selected-away terms.
+    The map is also applied (by `apply_probe`, `apply` unless given) to a probe that
+    is NaN on the entries of `st` that are stored and not selected away, and zero
+    elsewhere: an entry of the result that no such entry reaches is made only of
+    selected-away terms.
     """
     out = apply(val)
     mask = full_mask(st)
@@ -783,33 +839,40 @@ def _apply_masked(apply, val: Array, st: SparseTensor, refined: Pattern):
     assert st.val is not None
     nan = lax.full_like(st.val, jnp.nan)
     probe = SparseTensor(_select_away(nan, mask), st.pattern, st.dtype)
-    reached = apply(refine(probe, refined).val)
+    apply_probe = apply if apply_probe is None else apply_probe
+    reached = apply_probe(refine(probe, refined).val)
     out_mask = lax.eq(reached, reached)
     return _select_away(out, out_mask), out_mask
 
 
-def _apply_leading(fn, x: Array, n: int) -> Array:
-    """Apply `fn` to the leading `n` axes of `x`, vmapped over the trailing ones."""
+def _apply_leading(fn, x: Array, n: int):
+    """Apply `fn` to the leading `n` axes of `x`, vmapped over the trailing ones
+    (`fn` may return a tuple of arrays)."""
     rest = tuple(x.shape[n:])
     if not rest:
         return fn(x)
     k = len(rest)
     moved = _transpose(x, tuple(range(n, x.ndim)) + tuple(range(n)))
     flat = lax.reshape(moved, (math.prod(rest),) + tuple(x.shape[:n]))
-    out = jax.vmap(fn)(flat)
-    out = lax.reshape(out, rest + tuple(out.shape[1:]))
-    m = out.ndim - k
-    return _transpose(out, tuple(range(k, k + m)) + tuple(range(k)))
+
+    def unflatten(out):
+        out = lax.reshape(out, rest + tuple(out.shape[1:]))
+        m = out.ndim - k
+        return _transpose(out, tuple(range(k, k + m)) + tuple(range(k)))
+
+    return jax.tree.map(unflatten, jax.vmap(fn)(flat))
 
 
-def _apply_trailing(fn, x: Array, n: int) -> Array:
-    """Apply `fn` to the trailing `n` axes of `x`, vmapped over the leading ones."""
+def _apply_trailing(fn, x: Array, n: int):
+    """Apply `fn` to the trailing `n` axes of `x`, vmapped over the leading ones
+    (`fn` may return a tuple of arrays)."""
     lead = tuple(x.shape[: x.ndim - n])
     if not lead:
         return fn(x)
     flat = lax.reshape(x, (math.prod(lead),) + tuple(x.shape[x.ndim - n :]))
-    out = jax.vmap(fn)(flat)
-    return lax.reshape(out, lead + tuple(out.shape[1:]))
+    return jax.tree.map(
+        lambda out: lax.reshape(out, lead + tuple(out.shape[1:])), jax.vmap(fn)(flat)
+    )
 
 
 def matvec(st: SparseTensor, x: Array) -> Array:
@@ -871,14 +934,25 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
         assert isinstance(a, LinearMap) and isinstance(b, LinearMap)
         assert lazy is not None
         fa, fb, ta, tb = a.fn, b.fn, a.tfn, b.tfn
-        out = LinearMap(lambda x: fa(fb(x)), lambda y: tb(ta(y)), lazy, dtype)
+        out = LinearMap(
+            lambda x: fa(fb(x)),
+            lambda y: tb(ta(y)),
+            lazy,
+            dtype,
+            _then(a.shared_fn, "after", b, lambda f: lambda x: f(fb(x))),
+            _then(b.shared_tfn, "before", a, lambda f: lambda y: f(ta(y))),
+        )
         return out, plan.muls
     if plan.kind == "linear-diag":
         assert isinstance(a, LinearMap) and isinstance(b, SparseTensor)
         assert lazy is not None
         fa, ta = a.fn, a.tfn
         out = LinearMap(
-            lambda x: fa(matvec(b, x)), lambda y: rmatvec(b, ta(y)), lazy, dtype
+            lambda x: fa(matvec(b, x)),
+            lambda y: rmatvec(b, ta(y)),
+            lazy,
+            dtype,
+            _then(a.shared_fn, "after", b, lambda f: lambda x: f(matvec(b, x))),
         )
         return out, plan.muls
     if plan.kind == "diag-linear":
@@ -886,7 +960,12 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
         assert lazy is not None
         fb, tb = b.fn, b.tfn
         out = LinearMap(
-            lambda x: matvec(a, fb(x)), lambda y: tb(rmatvec(a, y)), lazy, dtype
+            lambda x: matvec(a, fb(x)),
+            lambda y: tb(rmatvec(a, y)),
+            lazy,
+            dtype,
+            None,
+            _then(b.shared_tfn, "before", a, lambda f: lambda y: f(rmatvec(a, y))),
         )
         return out, plan.muls
     if plan.kind == "linear-apply":
@@ -894,16 +973,40 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
         assert plan.refined is not None
         val = refine(b, plan.refined).val
         assert val is not None
-        apply = functools.partial(_apply_leading, a.fn, n=len(b.out_shape))
-        val, mask = _apply_masked(apply, val, b, plan.refined)
+        n = len(b.out_shape)
+        if a.shared_fn is not None:
+            group, slot = a.shared_fn
+            shared = functools.partial(group.apply, _apply_leading, n=n, slot=slot)
+            val, mask = _apply_masked(
+                functools.partial(shared, key=(b, plan.refined, "val")),
+                val,
+                b,
+                plan.refined,
+                functools.partial(shared, key=(b, plan.refined, "probe")),
+            )
+        else:
+            apply = functools.partial(_apply_leading, a.fn, n=n)
+            val, mask = _apply_masked(apply, val, b, plan.refined)
         return SparseTensor(_cast(val, dtype), plan.pattern, dtype, mask), plan.muls
     if plan.kind == "apply-linear":
         assert isinstance(a, SparseTensor) and isinstance(b, LinearMap)
         assert plan.refined is not None
         val = refine(a, plan.refined).val
         assert val is not None
-        apply = functools.partial(_apply_trailing, b.tfn, n=len(a.in_shape))
-        val, mask = _apply_masked(apply, val, a, plan.refined)
+        n = len(a.in_shape)
+        if b.shared_tfn is not None:
+            group, slot = b.shared_tfn
+            shared = functools.partial(group.apply, _apply_trailing, n=n, slot=slot)
+            val, mask = _apply_masked(
+                functools.partial(shared, key=(a, plan.refined, "val")),
+                val,
+                a,
+                plan.refined,
+                functools.partial(shared, key=(a, plan.refined, "probe")),
+            )
+        else:
+            apply = functools.partial(_apply_trailing, b.tfn, n=n)
+            val, mask = _apply_masked(apply, val, a, plan.refined)
         return SparseTensor(_cast(val, dtype), plan.pattern, dtype, mask), plan.muls
     assert isinstance(a, SparseTensor) and isinstance(b, SparseTensor)
     operands, subs = [], []
@@ -950,6 +1053,15 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
             out_mask = _union_mask(masks, plan.out_sub, tuple(val.shape))
             val = _select_away(val, out_mask)
     return SparseTensor(val, plan.pattern, jnp.dtype(dtype), out_mask), plan.muls
+
+
+def _then(shared, tag: str, other, compose):
+    """`shared` (a map's `(group, slot)`) for the map composed with `other`: the
+    group's function composed the same way (`compose(group.fn)`), same slot."""
+    if shared is None:
+        return None
+    group, slot = shared
+    return group.then(tag, other, lambda: compose(group.fn)), slot
 
 
 def _compact_mask(mask: Array, sub: str) -> tuple[Array, str]:

@@ -223,3 +223,39 @@ def test_recurrent_loss_needs_no_dense_jacobian():
     )(params, xs)
     dense_block = 16 * 32 * cell.weight_hh.size
     assert _largest_array(program) < dense_block // 8
+
+
+def _reversed_scans(closed) -> int:
+    count = 0
+    for eqn in closed.jaxpr.eqns:
+        count += eqn.primitive is lax.scan_p and eqn.params["reverse"]
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
+                    count += _reversed_scans(sub)
+    return count
+
+
+@pytest.mark.parametrize("order", ["rev", "fwd", "markowitz"])
+def test_loop_inputs_share_one_transposed_loop(order):
+    """Every parameter of a recurrent cell reaches the loss through the same
+    scan: their partials share one transposed scan, as JAX's reverse mode runs one
+    in all, where each would otherwise run its own."""
+    cell = eqx.nn.GRUCell(4, 24, key=jr.PRNGKey(0))
+    xs = jr.normal(jr.PRNGKey(1), (12, 4))
+
+    def loss(cell, xs):
+        def step(h, x):
+            return cell(x, h), None
+
+        return jnp.sum(lax.scan(step, jnp.zeros(24), xs)[0] ** 2)
+
+    grad = gx.filter_jacve(loss, order=order)
+    expected = eqx.filter_grad(loss)(cell, xs)
+    actual = eqx.filter_jit(grad)(cell, xs)
+    for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    params, static = eqx.partition(cell, eqx.is_array)
+    program = jax.make_jaxpr(lambda p, xs: grad(eqx.combine(p, static), xs))(params, xs)
+    # One transposed (reversed) scan for all four parameters.
+    assert _reversed_scans(program) == 1

@@ -5,11 +5,12 @@ and is mostly dense. Stored, it costs one JAX pass per row or column (`jax.jacre
 of a recurrent network's last state needs one backward pass per state entry). Kept
 as the linear map it is, it costs what JAX's own modes pay: the scan is linearised
 once where it runs, and each partial applies the linearised scan (forward) or its
-transpose (reverse) to whatever its neighbour in the elimination holds. A training
-loss's single cotangent then meets each parameter's map once: one backward pass per
-differentiated input, against one per state entry stored (JAX's own reverse mode
-makes one in all). `lax.cond` (and
-`lax.switch`) get the same treatment: the linearised branch taken.
+transpose (reverse) to whatever its neighbour in the elimination holds. The maps
+from one input to every output, and from every input to one output, are siblings
+(`graphax_eqx._sparse.SharedApply`): met by the same array, they run one pass
+between them. A training loss's single cotangent then costs one backward pass per
+scan output, as JAX's own reverse mode, against one per state entry stored.
+`lax.cond` (and `lax.switch`) get the same treatment: the linearised branch taken.
 
 Small ones, whose dense Jacobian has at most `_MAX_DENSE_ENTRIES` entries, keep the
 dense fallback: stored partials combine with their neighbours more cheaply than maps.
@@ -18,6 +19,7 @@ dense fallback: stored partials combine with their neighbours more cheaply than 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _jax_private as jp
-from .._sparse import linear_map
+from .._sparse import SharedApply, linear_map
 from ._base import active_indices, is_float, register, shape_of
 from .fallback import dense_jacobian
 
@@ -100,9 +102,34 @@ def _loop_rule(prim):
         outs, tangent = jax.linearize(run, *[primals[i] for i in idx])
         zeros = [jnp.zeros_like(primals[i]) for i in idx]
         muls = jaxpr_muls(jax.make_jaxpr(tangent)(*zeros).jaxpr)
+
+        def forwards(a, i):
+            # Every output's tangent from input `i`'s, in one pass.
+            def fn(t):
+                tangents = list(zeros)
+                tangents[a] = t.astype(primals[i].dtype)
+                ys = tangent(*tangents)
+                return tuple(ys[k].astype(outs[k].dtype) for k in float_outs)
+
+            return SharedApply(fn)
+
+        def transposes(k):
+            # Every input's cotangent from output `k`'s, in one pass: one transposed
+            # loop where separate maps would run one per input.
+            def fn(*ts):
+                ts = [t.astype(primals[i].dtype) for t, i in zip(ts, idx, strict=True)]
+                return tangent(*ts)[k].astype(outs[k].dtype)
+
+            types = [
+                jax.ShapeDtypeStruct(shape_of(primals[i]), outs[k].dtype) for i in idx
+            ]
+            return SharedApply(lambda ct: tuple(jax.linear_transpose(fn, *types)(ct)))
+
+        fwd_groups = {i: forwards(a, i) for a, i in enumerate(idx)}
+        rev_groups = {k: transposes(k) for k in float_outs}
         partials = {}
         for a, i in enumerate(idx):
-            for k in float_outs:
+            for slot, k in enumerate(float_outs):
 
                 def fn(t, a=a, i=i, k=k):
                     # The map takes and gives the partial's dtype; the linearised
@@ -111,12 +138,16 @@ def _loop_rule(prim):
                     tangents[a] = t.astype(primals[i].dtype)
                     return tangent(*tangents)[k].astype(outs[k].dtype)
 
-                partials[(k, i)] = linear_map(
-                    fn,
-                    shape_of(primals[i]),
-                    shape_of(outs[k]),
-                    outs[k].dtype,
-                    muls=muls,
+                partials[(k, i)] = dataclasses.replace(
+                    linear_map(
+                        fn,
+                        shape_of(primals[i]),
+                        shape_of(outs[k]),
+                        outs[k].dtype,
+                        muls=muls,
+                    ),
+                    shared_fn=(fwd_groups[i], slot),
+                    shared_tfn=(rev_groups[k], a),
                 )
         return list(outs), partials
 
