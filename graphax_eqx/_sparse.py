@@ -550,10 +550,12 @@ def linear_map(
     in_shape = tuple(int(s) for s in in_shape)
     out_shape = tuple(int(s) for s in out_shape)
     if tfn is None:
-        transposed = jax.linear_transpose(fn, jax.ShapeDtypeStruct(in_shape, dtype))
-
+        # Derived where it is used (in that trace): transposing traces `fn`, and
+        # whatever in it does not depend on its input (a loop map's zero tangents)
+        # would be emitted into the program even when the transpose is never used.
         def derived_tfn(ct: Array) -> Array:
-            (out,) = transposed(ct)
+            like = jax.ShapeDtypeStruct(in_shape, dtype)
+            (out,) = jax.linear_transpose(fn, like)(ct)
             return out
 
         tfn = derived_tfn

@@ -259,3 +259,31 @@ def test_loop_inputs_share_one_transposed_loop(order):
     program = jax.make_jaxpr(lambda p, xs: grad(eqx.combine(p, static), xs))(params, xs)
     # One transposed (reversed) scan for all four parameters.
     assert _reversed_scans(program) == 1
+
+
+@jax.custom_vjp
+def _sin_by_rule(x):
+    return jnp.sin(x)
+
+
+_sin_by_rule.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (g * c,))
+
+
+@pytest.mark.parametrize("order", ["rev", "fwd", "markowitz"])
+def test_loops_holding_a_custom_vjp_keep_the_dense_path(order, maps):
+    """A `custom_vjp` function has no forward mode, so a loop holding one cannot be
+    linearised: it keeps the dense fallback (reverse mode), and makes no maps."""
+    w = _matrix(12, 5, jnp.float32)
+
+    def scanned(x):
+        return lax.scan(lambda h, _: (_sin_by_rule(w @ h), None), x, None, length=3)[0]
+
+    def branched(x):
+        return lax.cond(x[0] > 0, lambda x: _sin_by_rule(w @ x), lambda x: 2 * x, x)
+
+    x = jnp.linspace(-0.9, 0.8, 12)
+    for fn in (scanned, branched):
+        expected = jax.jacrev(fn)(x)
+        _close(gx.jacve(fn, order=order)(x), expected, jnp.float32)
+        _close(jax.jit(gx.jacve(fn, order=order))(x), expected, jnp.float32)
+    assert not maps

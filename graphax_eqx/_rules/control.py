@@ -14,6 +14,8 @@ scan output, as JAX's own reverse mode, against one per state entry stored.
 
 Small ones, whose dense Jacobian has at most `_MAX_DENSE_ENTRIES` entries, keep the
 dense fallback: stored partials combine with their neighbours more cheaply than maps.
+So do loops holding a `custom_vjp` function, which has no forward mode to linearise
+with (the fallback differentiates those in reverse mode).
 `lax.while_loop` has no transpose and keeps the fallback (`jax.jacfwd`).
 """
 
@@ -70,6 +72,26 @@ def jaxpr_muls(jaxpr) -> int:
     return total
 
 
+def _holds(jaxpr, prim) -> bool:
+    """Whether `jaxpr`, or any jaxpr inside it, has an equation of `prim`."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is prim:
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jp.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jp.Jaxpr) and _holds(sub, prim):
+                    return True
+    return False
+
+
+def _bodies(params) -> list:
+    if "jaxpr" in params:
+        return [params["jaxpr"].jaxpr]
+    return [b.jaxpr for b in params.get("branches", ())]
+
+
 def _loop_rule(prim):
     """Partials of `prim` as linear maps of its linearisation (dense when small)."""
 
@@ -90,8 +112,11 @@ def _loop_rule(prim):
             jnp.issubdtype(jnp.result_type(x), jnp.complexfloating)
             for x in [*primals, *out_types]
         )
+        # A `custom_vjp` inside has no forward mode: the maps' `fn` could not run.
+        reverse_only = any(_holds(b, jp.custom_vjp_call_p) for b in _bodies(params))
         if (
             has_complex
+            or reverse_only
             or not idx
             or not float_outs
             or n_in * n_out <= _MAX_DENSE_ENTRIES

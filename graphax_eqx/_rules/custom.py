@@ -4,10 +4,13 @@ The local Jacobian is the one the custom rule defines, exactly as `jax.jacfwd` /
 `jax.jacrev` see it, whatever the primal body computes. When the *rule* is elementwise
 (the tangent output depends on the tangent inputs only position by position, shown
 structurally on the rule's jaxpr) one JVP (or VJP) with a ones tangent gives the
-diagonal exactly (for a rule that is zero at a zero tangent, as every linear rule is;
-`jax.jacfwd` sees a nonlinear one such as `clip(t)` on basis tangents, and so does the
-diagonal). Otherwise the local Jacobian is computed densely through the rule: by
-`jax.jacfwd` first for `custom_jvp`, by `jax.jacrev` for `custom_vjp`.
+diagonal exactly. Otherwise the local Jacobian is computed densely through the rule:
+by `jax.jacfwd` first for `custom_jvp`, by `jax.jacrev` for `custom_vjp`.
+
+A rule that is not linear in its seed (gradient clipping, `clip(g)`) defines no
+Jacobian: JAX applies it to whatever (co)tangent arrives, and a local Jacobian
+combined with its neighbours' would differ silently. Where the traced rule shows the
+seed flowing through a nonlinear primitive, the rule is refused with an error.
 """
 
 from __future__ import annotations
@@ -83,12 +86,59 @@ def _propagate(jaxpr, in_deps: list[_Dep], out_shape) -> list[_Dep]:
     return propagate_facts(jaxpr, in_deps, transfer, _Dep.NONE, _sub_jaxpr)
 
 
+# Primitives linear in each operand that depends on the seed, given which do: the
+# seed may flow through them (and through data movement, sums, contractions and
+# loops, which are not checked); through anything else in `elementwise_primitives`
+# or `elementwise_zero`, or through two operands of a product, it does not.
+_LINEAR = {
+    lax.add_p,
+    jp.add_any_p,
+    lax.sub_p,
+    lax.neg_p,
+    lax.convert_element_type_p,
+    lax.reduce_precision_p,
+    lax.copy_p,
+}
+
+
+def _nonlinear_step(eqn, deps: list[bool]) -> bool:
+    """Whether `eqn` is nonlinear in the seed, given which operands depend on it."""
+    prim = eqn.primitive
+    if prim in _LINEAR:
+        return False
+    if prim is lax.mul_p:
+        return all(deps)
+    if prim is lax.div_p:
+        return deps[1]
+    if prim is lax.select_n_p:
+        return deps[0]
+    if prim is lax.integer_pow_p:
+        return eqn.params["y"] != 1
+    return prim in _ELEMENTWISE_ANY or prim in (lax.max_p, lax.min_p, lax.clamp_p)
+
+
+def _nonlinear_use(jaxpr, in_deps: list[bool]) -> str | None:
+    """The name of a primitive through which the seed flows nonlinearly (a rule such
+    as `clip(g)` that is not a linear map of its seed), or None."""
+    found: list[str] = []
+
+    def transfer(eqn, deps):
+        if not found and _nonlinear_step(eqn, deps):
+            found.append(eqn.primitive.name)
+        return [True] * len(eqn.outvars)
+
+    propagate_facts(jaxpr, in_deps, transfer, False, _sub_jaxpr)
+    return found[0] if found else None
+
+
 class _Decision(NamedTuple):
-    """What the traced rule shows: whether it is elementwise, and for each operand in
-    `wrt` whether a NaN seed always reaches its diagonal (no selection to probe)."""
+    """What the traced rule shows: whether it is elementwise, for each operand in
+    `wrt` whether a NaN seed always reaches its diagonal (no selection to probe), and
+    a primitive through which the seed flows nonlinearly, if any."""
 
     elementwise: bool
     reaches: tuple[bool, ...]
+    nonlinear: str | None = None
 
 
 # Decisions of `_rule_decision`, keyed on the functions defining the rule, the
@@ -170,7 +220,26 @@ def _trace_rule(prim, params, primals, wrt, out, use_vjp) -> _Decision:
             nan_reaches(jaxpr, [False] * n_other + [j == k for j in range(n_seed)])[0]
             for k in range(n_seed)
         ]
-    return _Decision(all(d is not _Dep.MIXED for d in outs), tuple(reaches))
+    nonlinear = _nonlinear_use(jaxpr, [False] * n_other + [True] * n_seed)
+    return _Decision(all(d is not _Dep.MIXED for d in outs), tuple(reaches), nonlinear)
+
+
+def _nonlinear_error(prim, params, use_vjp: bool, name: str) -> ValueError:
+    closed = params.get("call_jaxpr")
+    debug = getattr(getattr(closed, "jaxpr", closed), "debug_info", None)
+    where = getattr(debug, "func_src_info", None)  # "name at file:line"
+    kind = "custom_vjp" if use_vjp else "custom_jvp"
+    seed = "cotangent" if use_vjp else "tangent"
+    which = f"`{where}`" if where else "a function"
+    return ValueError(
+        f"The {kind} rule of {which} is not linear in its {seed}: it applies "
+        f"`{name}` to it (gradient clipping is such a rule). A Jacobian is a linear "
+        f"map, and vertex elimination combines the rule's local Jacobian with its "
+        f"neighbours', where `jax.grad` would apply the rule to the {seed} that "
+        f"arrives: the results would differ silently. Make the rule linear in its "
+        f"{seed} (clip or rescale the gradients after computing them, e.g. with "
+        f"`optax.clip`), or differentiate this function with JAX's own transforms."
+    )
 
 
 def _custom_rule(prim, use_vjp):
@@ -196,6 +265,8 @@ def _custom_rule(prim, use_vjp):
             if wrt
             else _Decision(True, ())
         )
+        if decision.nonlinear is not None:
+            raise _nonlinear_error(prim, params, use_vjp, decision.nonlinear)
         if wrt and math.prod(out_shape) > 1 and not decision.elementwise:
             return outs, dense_jacobian(prim, params, primals, active, outs, modes)
 
