@@ -847,6 +847,23 @@ def _apply_masked(
     return _select_away(out, out_mask), out_mask
 
 
+def _apply_map(how, fn, shared, st: SparseTensor, refined: Pattern, n: int):
+    """`how(fn, ·, n=n)` (`_apply_leading` or `_apply_trailing`) applied to the
+    refined values of `st`, and the result's mask (see `_apply_masked`); through the
+    sibling group `shared` (`(group, slot)`) when the map has one."""
+    val = refine(st, refined).val
+    assert val is not None
+    if shared is None:
+        return _apply_masked(functools.partial(how, fn, n=n), val, st, refined)
+    group, slot = shared
+
+    def apply(role: str):
+        key = (st, refined, role)
+        return functools.partial(group.apply, how, n=n, slot=slot, key=key)
+
+    return _apply_masked(apply("val"), val, st, refined, apply("probe"))
+
+
 def _apply_leading(fn, x: Array, n: int):
     """Apply `fn` to the leading `n` axes of `x`, vmapped over the trailing ones
     (`fn` may return a tuple of arrays)."""
@@ -973,42 +990,14 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
     if plan.kind == "linear-apply":
         assert isinstance(a, LinearMap) and isinstance(b, SparseTensor)
         assert plan.refined is not None
-        val = refine(b, plan.refined).val
-        assert val is not None
         n = len(b.out_shape)
-        if a.shared_fn is not None:
-            group, slot = a.shared_fn
-            shared = functools.partial(group.apply, _apply_leading, n=n, slot=slot)
-            val, mask = _apply_masked(
-                functools.partial(shared, key=(b, plan.refined, "val")),
-                val,
-                b,
-                plan.refined,
-                functools.partial(shared, key=(b, plan.refined, "probe")),
-            )
-        else:
-            apply = functools.partial(_apply_leading, a.fn, n=n)
-            val, mask = _apply_masked(apply, val, b, plan.refined)
+        val, mask = _apply_map(_apply_leading, a.fn, a.shared_fn, b, plan.refined, n)
         return SparseTensor(_cast(val, dtype), plan.pattern, dtype, mask), plan.muls
     if plan.kind == "apply-linear":
         assert isinstance(a, SparseTensor) and isinstance(b, LinearMap)
         assert plan.refined is not None
-        val = refine(a, plan.refined).val
-        assert val is not None
         n = len(a.in_shape)
-        if b.shared_tfn is not None:
-            group, slot = b.shared_tfn
-            shared = functools.partial(group.apply, _apply_trailing, n=n, slot=slot)
-            val, mask = _apply_masked(
-                functools.partial(shared, key=(a, plan.refined, "val")),
-                val,
-                a,
-                plan.refined,
-                functools.partial(shared, key=(a, plan.refined, "probe")),
-            )
-        else:
-            apply = functools.partial(_apply_trailing, b.tfn, n=n)
-            val, mask = _apply_masked(apply, val, a, plan.refined)
+        val, mask = _apply_map(_apply_trailing, b.tfn, b.shared_tfn, a, plan.refined, n)
         return SparseTensor(_cast(val, dtype), plan.pattern, dtype, mask), plan.muls
     assert isinstance(a, SparseTensor) and isinstance(b, SparseTensor)
     operands, subs = [], []

@@ -156,12 +156,11 @@ def _loop_rule(prim):
         for a, i in enumerate(idx):
             for slot, k in enumerate(float_outs):
 
-                def fn(t, a=a, i=i, k=k):
-                    # The map takes and gives the partial's dtype; the linearised
-                    # loop takes each input's own.
-                    tangents = list(zeros)
-                    tangents[a] = t.astype(primals[i].dtype)
-                    return tangent(*tangents)[k].astype(outs[k].dtype)
+                def fn(t, group=fwd_groups[i], slot=slot):
+                    return group.fn(t)[slot]
+
+                def tfn(ct, group=rev_groups[k], a=a):
+                    return group.fn(ct)[a]
 
                 partials[(k, i)] = dataclasses.replace(
                     linear_map(
@@ -169,7 +168,8 @@ def _loop_rule(prim):
                         shape_of(primals[i]),
                         shape_of(outs[k]),
                         outs[k].dtype,
-                        muls=muls,
+                        tfn,
+                        muls,
                     ),
                     shared_fn=(fwd_groups[i], slot),
                     shared_tfn=(rev_groups[k], a),
