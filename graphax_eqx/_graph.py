@@ -24,6 +24,7 @@ from jax import lax
 from . import _jax_private as jp
 from ._complex import realify
 from ._rules import get_rule, zero_derivative
+from ._rules.custom import check_rules_inside
 from ._sparse import LinearMap, add, diagonal, should_materialise, to_sparse
 
 
@@ -335,6 +336,7 @@ def evaluate(
         out_vertices = [vid.get(v) for v in eqn.outvars]
         need = [isinstance(a, int) and a in vid for a in eqn.invars]
         if any(o is not None for o in out_vertices) and any(need):
+            check_rules_inside(eqn.prim, eqn.params, need)
             outs, partials = get_rule(eqn.prim)(ins, need, **eqn.params)
             for (k, i), partial in partials.items():
                 w = out_vertices[k]

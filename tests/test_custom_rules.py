@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import graphax_eqx as gx
 
@@ -358,6 +359,108 @@ def test_rules_not_linear_in_their_seed_are_refused(order):
             gx.jacve(lambda x, fun=fun: fun(3.0 * x), order=order)(x),
             reference_jacobians(lambda x, fun=fun: fun(3.0 * x), (x,)),
         )
+
+
+@jax.custom_vjp
+def clip_pair(x, y):
+    return x, y
+
+
+def _clip_pair_bwd(_, g):
+    return jnp.clip(g[0], -1.0, 1.0), jnp.clip(g[1], -1.0, 1.0)
+
+
+clip_pair.defvjp(lambda x, y: ((x, y), None), _clip_pair_bwd)
+
+
+@jax.custom_vjp
+def doubled_by_iteration(x):
+    return 2.0 * x
+
+
+def _doubled_bwd(_, g):
+    # An adaptive solve of `y = g + y / 2`: the step count depends on the seed, as
+    # in an ODE adjoint with step-size control; the result is `2 g` to tolerance.
+    def body(carry):
+        y, _ = carry
+        new = g + 0.5 * y
+        return new, jnp.max(jnp.abs(new - y))
+
+    y, _ = lax.while_loop(lambda c: c[1] > 1e-7 * jnp.max(jnp.abs(g)), body, (g, 1.0))
+    return (y,)
+
+
+doubled_by_iteration.defvjp(lambda x: (2.0 * x, None), _doubled_bwd)
+
+
+def _in_scan(x):
+    def body(c, xi):
+        return c + clip_gradient(jnp.sin(c * xi)), None
+
+    return 10.0 * lax.scan(body, x, jnp.arange(3.0))[0]
+
+
+def _in_cond(x):
+    return 10.0 * lax.cond(x[0] > 0, lambda x: clip_gradient(jnp.sin(x)), jnp.cos, x)
+
+
+def _in_while(x):
+    def body(carry):
+        i, v = carry
+        return i + 1, v + clipped_sin(v)
+
+    return lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+
+
+def _in_big_scan(x):  # dense Jacobian past the loops' dense threshold
+    return _in_scan(jnp.tile(x, 100))
+
+
+@pytest.mark.parametrize(
+    "fun, name",
+    [
+        (
+            lambda x: 10.0 * jnp.sum(jnp.prod(jnp.stack(clip_pair(x, x**2)))),
+            "clip_pair",
+        ),
+        (_in_scan, "clip_gradient"),
+        (_in_cond, "clip_gradient"),
+        (_in_while, "clipped_sin"),
+        (_in_big_scan, "clip_gradient"),
+    ],
+    ids=["several-outputs", "in-scan", "in-cond", "in-while", "in-large-scan"],
+)
+@pytest.mark.parametrize("order", ["rev", "fwd"])
+def test_nonlinear_rules_are_refused_wherever_they_are(fun, name, order):
+    """Rules with several outputs, and rules inside loops and branches, are applied
+    to the (co)tangents of the loop's linearisation: refused as at the top level."""
+    x = jnp.array([0.5, 1.0, 1.5])
+    with pytest.raises(ValueError, match=f"{name}.*not linear"):
+        gx.jacve(fun, order=order)(x)
+    with pytest.raises(ValueError, match=f"{name}.*not linear"):
+        jax.jit(gx.jacve(fun, order=order))(x)
+
+
+@pytest.mark.parametrize("order", ["rev", "fwd", "markowitz"])
+def test_nonlinear_rules_off_the_differentiated_path_are_allowed(order):
+    """A rule only constants reach is never applied to a seed; one whose seed only
+    steers a `while` loop (an adaptive solve) is linear up to its tolerance."""
+    x = jnp.array([0.5, 1.0, 1.5])
+
+    def off_path(x):
+        def body(c, xi):
+            k = clip_gradient(jnp.sin(xi) * jnp.ones(3))
+            return c * jnp.cos(c) + k, None
+
+        return lax.scan(body, x, jnp.arange(3.0))[0]
+
+    def adaptive(x):
+        return jnp.sin(doubled_by_iteration(jnp.cos(x) * x[::-1]))
+
+    for fun in (off_path, adaptive):
+        reference = jax.jacrev(fun)(x)
+        for jac in (gx.jacve(fun, order=order), jax.jit(gx.jacve(fun, order=order))):
+            np.testing.assert_allclose(jac(x), reference, rtol=1e-5, atol=1e-6)
 
 
 def test_project_is_not_zero():

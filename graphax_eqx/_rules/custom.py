@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -118,80 +119,97 @@ def _nonlinear_step(eqn, deps: list[bool]) -> bool:
 
 
 def _nonlinear_use(jaxpr, in_deps: list[bool]) -> str | None:
-    """The name of a primitive through which the seed flows nonlinearly (a rule such
-    as `clip(g)` that is not a linear map of its seed), or None."""
-    found: list[str] = []
+    """The name of a primitive through which the seed flows nonlinearly into the
+    rule's results (a rule such as `clip(g)`, not a linear map of its seed), or None.
+
+    Each variable holds False (independent of the seed), True (a linear function of
+    it, as far as is checked) or the name of the nonlinear primitive it passed.
+
+    The seed is not followed past a `while` loop. An adaptive solver (an ODE adjoint
+    with step-size control, an iterative linear solve) chooses its steps, its step
+    count and its final time from the seed, and is linear in it only up to its
+    tolerance; what is done with those after the loop is bookkeeping (reading the
+    last saved step), which would look nonlinear here.
+    """
 
     def transfer(eqn, deps):
-        if not found and _nonlinear_step(eqn, deps):
-            found.append(eqn.primitive.name)
-        return [True] * len(eqn.outvars)
+        if eqn.primitive is lax.while_p:
+            return [False] * len(eqn.outvars)
+        tainted = next((d for d in deps if isinstance(d, str)), None)
+        if tainted is None and _nonlinear_step(eqn, [d is not False for d in deps]):
+            tainted = eqn.primitive.name
+        return [True if tainted is None else tainted] * len(eqn.outvars)
 
-    propagate_facts(jaxpr, in_deps, transfer, False, _sub_jaxpr)
-    return found[0] if found else None
+    outs = propagate_facts(jaxpr, in_deps, transfer, False, _sub_jaxpr)
+    return next((d for d in outs if isinstance(d, str)), None)
 
 
 class _Decision(NamedTuple):
-    """What the traced rule shows: whether it is elementwise, for each operand in
-    `wrt` whether a NaN seed always reaches its diagonal (no selection to probe), and
-    a primitive through which the seed flows nonlinearly, if any."""
+    """What the traced rule shows: whether it is elementwise, and for each operand in
+    `wrt` whether a NaN seed reaches its diagonal (see `seed_reaches`)."""
 
     elementwise: bool
     reaches: tuple[bool, ...]
-    nonlinear: str | None = None
 
 
-# Decisions of `_rule_decision`, keyed on the functions defining the rule, the
-# primal body and the operand types: re-tracing the rule is most of the cost of an
-# eager call on a model with custom activations.
-_DECISIONS: OrderedDict = OrderedDict()
-_MAX_DECISIONS = 512
+# Results of tracing a rule (`_Decision`s, nonlinear primitives), keyed on the
+# functions defining the rule, the primal body, the operand types and what is asked:
+# re-tracing the rule is most of the cost of an eager call on a model with custom
+# activations.
+_TRACED: OrderedDict = OrderedDict()
+_MAX_TRACED = 512
 
 
-def _decision_key(prim, params, primals, wrt, use_vjp):
-    functions = jp.custom_rule_functions(params)
-    if not functions:
-        return None
-    closed = params.get("call_jaxpr")
-    body = str(closed.jaxpr if hasattr(closed, "jaxpr") else closed)
-    types = tuple(str(jax.typeof(x)) for x in primals)
-    return (prim, functions, body, types, tuple(wrt), use_vjp)
-
-
-def _rule_decision(prim, params, primals, wrt, out, use_vjp) -> _Decision:
+def _cached(what: str, prim, params, operands, wrt, use_vjp, compute):
     try:
-        key = _decision_key(prim, params, primals, wrt, use_vjp)
+        functions = jp.custom_rule_functions(params)
+        closed = params.get("call_jaxpr")
+        body = str(closed.jaxpr if hasattr(closed, "jaxpr") else closed)
+        types = tuple(str(jax.typeof(x)) for x in operands)
+        key = (what, prim, functions, body, types, tuple(wrt), use_vjp)
         hash(key)
     except Exception:  # nothing stable to key on: decide afresh
-        key = None
-    if key is not None and key in _DECISIONS:
-        _DECISIONS.move_to_end(key)
-        return _DECISIONS[key]
-    decision = _trace_rule(prim, params, primals, wrt, out, use_vjp)
-    if key is not None:
-        _DECISIONS[key] = decision
-        if len(_DECISIONS) > _MAX_DECISIONS:
-            _DECISIONS.popitem(last=False)
-    return decision
+        return compute()
+    if not key[2]:
+        return compute()
+    if key in _TRACED:
+        _TRACED.move_to_end(key)
+        return _TRACED[key]
+    result = _TRACED[key] = compute()
+    if len(_TRACED) > _MAX_TRACED:
+        _TRACED.popitem(last=False)
+    return result
 
 
-def _trace_rule(prim, params, primals, wrt, out, use_vjp) -> _Decision:
-    """Whether the custom rule maps tangents of `primals[i]`, `i in wrt`, to the output
-    tangent (or the output cotangent back to theirs) elementwise, and whether a NaN
-    seed reaches each diagonal (`seed_reaches`).
+def _rule_jaxpr(prim, params, operands, wrt, use_vjp):
+    """`_trace_rule`, traced once for the questions asked of it."""
+    return _cached(
+        "jaxpr",
+        prim,
+        params,
+        operands,
+        wrt,
+        use_vjp,
+        lambda: _trace_rule(prim, params, operands, wrt, use_vjp),
+    )
 
-    The rule is traced as JAX runs it (`jax.jvp`, or `jax.vjp` and its pullback, of the
-    rebound call) and the seed's dependence is followed through the jaxpr. This is
-    structural, so it holds under `jit` where values are tracers; anything not shown
-    elementwise (reductions, rolls, gathers, control flow) counts as mixing.
+
+def _trace_rule(prim, params, operands, wrt, use_vjp):
+    """The rule as JAX applies it to a seed, traced: `jax.jvp` of the rebound call
+    with tangents for `operands[i]`, `i in wrt`, or `jax.vjp`'s pullback with a
+    cotangent for every floating output. Every operand is an argument, so no value is
+    closed over as a constant, and only the operands' types matter.
+
+    Returns the jaxpr and its number of seed inputs (its last ones), or None where
+    the rule cannot be traced this way.
     """
-    out_shape = shape_of(out)
 
     def f(xs, rest):
         args = list(rest)
         for i, x in zip(wrt, xs, strict=True):
             args[i] = x
-        return jp.bind(prim, params, *args)[0]
+        outs = jp.bind(prim, params, *args)
+        return [o for o in outs if jnp.issubdtype(o.dtype, jnp.inexact)]
 
     def pullback(xs, rest, seed):
         _, vjp = jax.vjp(lambda *xs: f(xs, rest), *xs)
@@ -200,28 +218,156 @@ def _trace_rule(prim, params, primals, wrt, out, use_vjp) -> _Decision:
     def pushforward(xs, rest, seed):
         return jax.jvp(lambda *xs: f(xs, rest), tuple(xs), tuple(seed))[1]
 
-    xs = [primals[i] for i in wrt]
-    # Only the avals of the seed matter: the output for a cotangent, `xs` for tangents.
-    linear, seed = (pullback, out) if use_vjp else (pushforward, xs)
+    xs = [operands[i] for i in wrt]
     try:
-        # Every primal is an argument, so no value is closed over as a constant.
-        closed = jax.make_jaxpr(linear)(xs, list(primals), seed)
+        if use_vjp:
+            seed = jax.eval_shape(lambda *xs: f(xs, operands), *xs)
+            if not seed:
+                return None
+            closed = jax.make_jaxpr(pullback)(xs, list(operands), seed)
+        else:
+            seed = xs
+            closed = jax.make_jaxpr(pushforward)(xs, list(operands), seed)
     except Exception:  # the rule cannot be traced this way: use the dense path
-        return _Decision(False, (False,) * len(wrt))
-    jaxpr = closed.jaxpr
-    n_seed = len(jax.tree.leaves(seed))
-    n_other = len(jaxpr.invars) - n_seed
-    in_deps = [_Dep.NONE] * n_other + [_Dep.ELEMENTWISE] * n_seed
-    outs = _propagate(jaxpr, in_deps, out_shape)
-    if use_vjp:  # one cotangent seed, one output per operand
-        reaches = nan_reaches(jaxpr, [False] * n_other + [True])
-    else:  # one tangent seed per operand, one output
-        reaches = [
-            nan_reaches(jaxpr, [False] * n_other + [j == k for j in range(n_seed)])[0]
-            for k in range(n_seed)
+        return None
+    return closed.jaxpr, len(jax.tree.leaves(seed))
+
+
+def _rule_decision(prim, params, primals, wrt, out, use_vjp) -> _Decision:
+    """Whether the custom rule maps tangents of `primals[i]`, `i in wrt`, to the output
+    tangent (or the output cotangent back to theirs) elementwise, and whether a NaN
+    seed reaches each diagonal (`seed_reaches`).
+
+    The seed's dependence is followed through the traced rule (`_rule_jaxpr`). This
+    is structural, so it holds under `jit` where values are tracers; anything not
+    shown elementwise (reductions, rolls, gathers, control flow) counts as mixing.
+    """
+
+    def compute():
+        traced = _rule_jaxpr(prim, params, primals, wrt, use_vjp)
+        if traced is None:
+            return _Decision(False, (False,) * len(wrt))
+        jaxpr, n_seed = traced
+        n_other = len(jaxpr.invars) - n_seed
+        in_deps = [_Dep.NONE] * n_other + [_Dep.ELEMENTWISE] * n_seed
+        outs = _propagate(jaxpr, in_deps, shape_of(out))
+        if use_vjp:  # one cotangent seed, one output per operand
+            reaches = nan_reaches(jaxpr, [False] * n_other + [True])
+        else:  # one tangent seed per operand, one output
+            reaches = [
+                nan_reaches(jaxpr, [False] * n_other + [j == k for j in range(n_seed)])[
+                    0
+                ]
+                for k in range(n_seed)
+            ]
+        elementwise = all(d is not _Dep.MIXED for d in outs)
+        return _Decision(elementwise, tuple(reaches))
+
+    return _cached("decision", prim, params, primals, wrt, use_vjp, compute)
+
+
+def _check_linear(prim, params, operands, wrt, use_vjp) -> None:
+    """Refuse the custom rule of `prim` if the seed for `operands[i]`, `i in wrt`
+    (or for its outputs), flows through a nonlinear primitive: see `_nonlinear_use`."""
+
+    def compute():
+        traced = _rule_jaxpr(prim, params, operands, wrt, use_vjp)
+        if traced is None:
+            return None
+        jaxpr, n_seed = traced
+        n_other = len(jaxpr.invars) - n_seed
+        return _nonlinear_use(jaxpr, [False] * n_other + [True] * n_seed)
+
+    name = _cached("linear", prim, params, operands, wrt, use_vjp, compute)
+    if name is not None:
+        raise _nonlinear_error(prim, params, use_vjp, name)
+
+
+_CUSTOM_CALLS = (jp.custom_jvp_call_p, jp.custom_vjp_call_p)
+
+
+def check_rules_inside(prim, params, active: Sequence[bool]) -> None:
+    """Refuse a custom rule nested in the bodies of `prim` (a loop, a branch) that an
+    active operand reaches and that is not linear in its seed.
+
+    A loop's derivative applies the rules inside it to whatever (co)tangents its
+    linearisation carries, which differs from `jax.grad` exactly as a rule outside a
+    loop does (see `_custom_rule`).
+    """
+    if (
+        prim in _CUSTOM_CALLS
+    ):  # checked by `_custom_rule`; its body is not differentiated
+        return
+    for body, body_active in _bodies_reached(prim, params, list(active)):
+        _reach(body, body_active, check=True)
+
+
+def _reach(jaxpr, active: list[bool], check: bool) -> list[bool]:
+    """Which outputs of `jaxpr` depend on its `active` inputs; with `check`, refuse
+    every reached custom rule not linear in its seed, at any depth."""
+    env = dict(zip(jaxpr.invars, active, strict=True))
+    for eqn in jaxpr.eqns:
+        deps = [not isinstance(v, jp.Literal) and env.get(v, False) for v in eqn.invars]
+        if check and any(deps):
+            if eqn.primitive in _CUSTOM_CALLS:
+                types = [
+                    jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars
+                ]
+                wrt = [
+                    i
+                    for i, (d, t) in enumerate(zip(deps, types, strict=True))
+                    if d and jnp.issubdtype(t.dtype, jnp.inexact)
+                ]
+                if wrt:
+                    use_vjp = eqn.primitive is jp.custom_vjp_call_p
+                    _check_linear(eqn.primitive, eqn.params, types, wrt, use_vjp)
+            else:
+                for body, body_active in _bodies_reached(
+                    eqn.primitive, eqn.params, deps
+                ):
+                    _reach(body, body_active, check=True)
+        env.update((v, any(deps)) for v in eqn.outvars)
+    return [not isinstance(v, jp.Literal) and env.get(v, False) for v in jaxpr.outvars]
+
+
+def _bodies_reached(prim, params, active: list[bool]) -> list:
+    """The differentiated bodies of `prim` (open jaxprs), with which of their inputs
+    the `active` operands reach: a loop's carries to a fixed point."""
+    if prim is lax.scan_p:
+        body = params["jaxpr"].jaxpr
+        return [
+            (body, _carried(body, active, params["num_consts"], params["num_carry"]))
         ]
-    nonlinear = _nonlinear_use(jaxpr, [False] * n_other + [True] * n_seed)
-    return _Decision(all(d is not _Dep.MIXED for d in outs), tuple(reaches), nonlinear)
+    if prim is lax.while_p:  # the predicate has no derivative
+        body = params["body_jaxpr"].jaxpr
+        operands = active[params["cond_nconsts"] :]
+        n_carry = len(operands) - params["body_nconsts"]
+        return [(body, _carried(body, operands, params["body_nconsts"], n_carry))]
+    if prim is lax.cond_p:
+        return [(b.jaxpr, active[1:]) for b in params["branches"]]
+    found = []
+    for value in params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(sub, jp.ClosedJaxpr):
+                sub = sub.jaxpr
+            if isinstance(sub, jp.Jaxpr):
+                n = len(sub.invars)
+                reached = active if len(active) == n else [any(active)] * n
+                found.append((sub, reached))
+    return found
+
+
+def _carried(body, active: list[bool], n_consts: int, n_carry: int) -> list[bool]:
+    """`active` for a loop body whose outputs start with its carries, with a carry
+    active wherever an earlier iteration makes it so."""
+    active = list(active)
+    while True:
+        outs = _reach(body, active, check=False)
+        carry = active[n_consts : n_consts + n_carry]
+        new = [a or o for a, o in zip(carry, outs[:n_carry], strict=True)]
+        if new == carry:
+            return active
+        active[n_consts : n_consts + n_carry] = new
 
 
 def _nonlinear_error(prim, params, use_vjp: bool, name: str) -> ValueError:
@@ -250,6 +396,8 @@ def _custom_rule(prim, use_vjp):
     def rule(primals, active, **params):
         outs = jp.bind(prim, params, *primals)
         idx = active_indices(active)
+        # Every path below uses a local Jacobian, which exists for a linear rule only.
+        _check_linear(prim, params, primals, idx, use_vjp)
         if len(outs) != 1:
             return outs, dense_jacobian(prim, params, primals, active, outs, modes)
         out = outs[0]
@@ -265,8 +413,6 @@ def _custom_rule(prim, use_vjp):
             if wrt
             else _Decision(True, ())
         )
-        if decision.nonlinear is not None:
-            raise _nonlinear_error(prim, params, use_vjp, decision.nonlinear)
         if wrt and math.prod(out_shape) > 1 and not decision.elementwise:
             return outs, dense_jacobian(prim, params, primals, active, outs, modes)
 
