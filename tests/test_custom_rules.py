@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -439,6 +440,85 @@ def test_nonlinear_rules_are_refused_wherever_they_are(fun, name, order):
         gx.jacve(fun, order=order)(x)
     with pytest.raises(ValueError, match=f"{name}.*not linear"):
         jax.jit(gx.jacve(fun, order=order))(x)
+
+
+def _clip(g):
+    return jnp.clip(g, -1.0, 1.0)
+
+
+# Bodies of rules, applied to the seed `g`: nonlinear in it, or linear.
+_NONLINEAR_BODIES = {  # name: (body, the primitive the error names)
+    "sort": (jnp.sort, "sort"),
+    "minus-max": (lambda g: g - jnp.max(g), "reduce_max"),
+    "top-k": (lambda g: lax.top_k(g, 4)[0], "top_k"),
+    "cummax": (lax.cummax, "cummax"),
+    "product": (lambda g: jnp.prod(g) * jnp.ones_like(g), "reduce_prod"),
+    "squared-norm": (lambda g: jnp.dot(g, g) * jnp.ones_like(g), "dot_general"),
+    "truncated": (
+        lambda g: g.astype(jnp.int32).astype(g.dtype),
+        "convert_element_type",
+    ),
+    "clip-in-cond": (lambda g: lax.cond(True, _clip, lambda g: g, g), "max"),
+    "clip-in-scan": (lambda g: lax.map(_clip, g), "max"),
+}
+_MIX = jnp.array([[1.0, -2.0, 0.5, 3.0], [0.3, 1.0, -1.0, 2.0], [2.0, 0.1, 0.2, -0.7]])
+_LINEAR_BODIES = {
+    "nan-to-zero": lambda g: jnp.where(jnp.isnan(g), 0.0, g),
+    "zero-shortcut": lambda g: lax.cond(
+        jnp.all(g == 0), jnp.zeros_like, lambda g: 3.0 * g, g
+    ),
+    "checked": lambda g: eqx.error_if(2.0 * g, jnp.isnan(g).any(), "NaN cotangent"),
+    "linear-cond": lambda g: lax.cond(True, lambda g: 2.0 * g, lambda g: g, g),
+    "linear-scan": lambda g: lax.scan(lambda c, gi: (c + gi, c + gi), 0.0, g)[1],
+    "contraction": lambda g: _MIX.T @ (_MIX @ g),
+}
+
+
+def _rules_with_body(body):
+    # The identity with `body` as its VJP rule, and as its JVP rule.
+    @jax.custom_vjp
+    def by_vjp(x):
+        return x
+
+    by_vjp.defvjp(lambda x: (x, None), lambda _, g: (body(g),))
+
+    @jax.custom_jvp
+    def by_jvp(x):
+        return x
+
+    by_jvp.defjvp(lambda p, t: (p[0], body(t[0])))
+    # A mixing matrix after (before) the rule: rules that scale their seed
+    # homogeneously would hide behind a scalar factor.
+    return (
+        lambda x: _MIX @ by_vjp(2.0 * jnp.sin(x)),
+        lambda x: by_jvp(_MIX.T @ (2.0 * jnp.sin(_MIX @ x))),
+    )
+
+
+@pytest.mark.parametrize("name", sorted(_NONLINEAR_BODIES))
+def test_rules_nonlinear_through_any_primitive_are_refused(name):
+    x = jnp.array([0.5, -1.0, 1.5, 2.0])
+    body, primitive = _NONLINEAR_BODIES[name]
+    for fun in _rules_with_body(body):
+        for order in ("rev", "fwd"):
+            with pytest.raises(ValueError, match=f"not linear.*applies `{primitive}`"):
+                jax.jit(gx.jacve(fun, order=order))(x)
+
+
+@pytest.mark.parametrize("name", sorted(_LINEAR_BODIES))
+def test_rules_linear_in_their_seed_are_accepted(name):
+    """Guards on the seed (a NaN check, a shortcut for a zero cotangent) and control
+    flow or contractions that stay linear in it are accepted and match JAX."""
+    x = jnp.array([0.5, -1.0, 1.5, 2.0])
+    by_vjp, by_jvp = _rules_with_body(_LINEAR_BODIES[name])
+    for fun, reference in ((by_vjp, jax.jacrev), (by_jvp, jax.jacfwd)):
+        expected = reference(fun)(x)
+        for order in ("rev", "fwd"):
+            for jac in (
+                gx.jacve(fun, order=order),
+                jax.jit(gx.jacve(fun, order=order)),
+            ):
+                np.testing.assert_allclose(jac(x), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("order", ["rev", "fwd", "markowitz"])

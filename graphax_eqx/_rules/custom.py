@@ -30,6 +30,7 @@ from .._sparse import with_mask
 from ._base import Partials, active_indices, register, shape_of
 from .elementwise import (
     _broadcast_partial,
+    dropped_entries,
     elementwise_primitives,
     elementwise_zero,
     nan_reaches,
@@ -88,18 +89,40 @@ def _propagate(jaxpr, in_deps: list[_Dep], out_shape) -> list[_Dep]:
 
 
 # Primitives linear in each operand that depends on the seed, given which do: the
-# seed may flow through them (and through data movement, sums, contractions and
-# loops, which are not checked); through anything else in `elementwise_primitives`
-# or `elementwise_zero`, or through two operands of a product, it does not.
+# seed may flow through them (and through data movement, sums and contractions with
+# a seed-independent operand); through anything else in `elementwise_primitives` or
+# `elementwise_zero`, through two operands of a product, or through an order
+# statistic, it does not.
 _LINEAR = {
     lax.add_p,
     jp.add_any_p,
     lax.sub_p,
     lax.neg_p,
-    lax.convert_element_type_p,
     lax.reduce_precision_p,
     lax.copy_p,
 }
+# Nonlinear in any operand the seed reaches: they pick, order or multiply entries by
+# their values.
+_ORDER_STATISTICS = {
+    lax.max_p,
+    lax.min_p,
+    lax.clamp_p,
+    lax.reduce_max_p,
+    lax.reduce_min_p,
+    lax.reduce_prod_p,
+    lax.argmax_p,
+    lax.argmin_p,
+    lax.sort_p,
+    lax.top_k_p,
+    lax.cummax_p,
+    lax.cummin_p,
+    lax.cumprod_p,
+    lax.cumlogsumexp_p,
+}
+# Equality tests of the seed (against zero, or `g != g` for NaN) guard a rule
+# (`eqx.error_if`, skipping the work for a zero cotangent) without changing what it
+# computes for other values: their results count as independent of the seed.
+_GUARDS = {lax.eq_p, lax.ne_p, lax.is_finite_p}
 
 
 def _nonlinear_step(eqn, deps: list[bool]) -> bool:
@@ -107,7 +130,9 @@ def _nonlinear_step(eqn, deps: list[bool]) -> bool:
     prim = eqn.primitive
     if prim in _LINEAR:
         return False
-    if prim is lax.mul_p:
+    if prim is lax.convert_element_type_p:  # rounding to an integer or a boolean
+        return not jnp.issubdtype(eqn.params["new_dtype"], jnp.inexact)
+    if prim in (lax.mul_p, lax.dot_general_p, lax.conv_general_dilated_p):
         return all(deps)
     if prim is lax.div_p:
         return deps[1]
@@ -115,33 +140,74 @@ def _nonlinear_step(eqn, deps: list[bool]) -> bool:
         return deps[0]
     if prim is lax.integer_pow_p:
         return eqn.params["y"] != 1
-    return prim in _ELEMENTWISE_ANY or prim in (lax.max_p, lax.min_p, lax.clamp_p)
+    return prim in _ELEMENTWISE_ANY or prim in _ORDER_STATISTICS
+
+
+def _merge(a, b):
+    """The join of two facts of `_seed_facts`: a nonlinear primitive's name wins."""
+    if isinstance(a, str):
+        return a
+    if isinstance(b, str):
+        return b
+    return a or b
 
 
 def _nonlinear_use(jaxpr, in_deps: list[bool]) -> str | None:
     """The name of a primitive through which the seed flows nonlinearly into the
     rule's results (a rule such as `clip(g)`, not a linear map of its seed), or None.
+    See `_seed_facts`."""
+    outs = _seed_facts(jaxpr, in_deps)
+    return next((d for d in outs if isinstance(d, str)), None)
 
-    Each variable holds False (independent of the seed), True (a linear function of
-    it, as far as is checked) or the name of the nonlinear primitive it passed.
 
-    The seed is not followed past a `while` loop. An adaptive solver (an ODE adjoint
-    with step-size control, an iterative linear solve) chooses its steps, its step
-    count and its final time from the seed, and is linear in it only up to its
-    tolerance; what is done with those after the loop is bookkeeping (reading the
-    last saved step), which would look nonlinear here.
+def _seed_facts(jaxpr, facts: list) -> list:
+    """For each output of `jaxpr`: False (independent of the seed), True (a linear
+    function of it, as far as is checked) or the name of the nonlinear primitive it
+    passed, given the same facts of its inputs.
+
+    `cond` branches and `scan` bodies are followed (a `cond` whose branch depends on
+    the seed selects nonlinearly). The seed is not followed past a `while` loop: an
+    adaptive solver (an ODE adjoint with step-size control, an iterative linear
+    solve) chooses its steps, their number and its final time from the seed, and is
+    linear in it only up to its tolerance; what is done with those after the loop is
+    bookkeeping (reading the last saved step), which would look nonlinear here.
     """
 
     def transfer(eqn, deps):
-        if eqn.primitive is lax.while_p:
+        prim = eqn.primitive
+        if prim is lax.while_p or prim in _GUARDS:
             return [False] * len(eqn.outvars)
         tainted = next((d for d in deps if isinstance(d, str)), None)
+        if tainted is None and prim is lax.cond_p:
+            if deps[0] is not False:
+                return ["cond"] * len(eqn.outvars)
+            outs = [False] * len(eqn.outvars)
+            for branch in eqn.params["branches"]:
+                found = _seed_facts(branch.jaxpr, deps[1:])
+                outs = [_merge(a, b) for a, b in zip(outs, found, strict=True)]
+            return outs
+        if tainted is None and prim is lax.scan_p:
+            return _scan_facts(eqn, deps)
         if tainted is None and _nonlinear_step(eqn, [d is not False for d in deps]):
-            tainted = eqn.primitive.name
+            tainted = prim.name
         return [True if tainted is None else tainted] * len(eqn.outvars)
 
-    outs = propagate_facts(jaxpr, in_deps, transfer, False, _sub_jaxpr)
-    return next((d for d in outs if isinstance(d, str)), None)
+    return propagate_facts(jaxpr, facts, transfer, False, _sub_jaxpr)
+
+
+def _scan_facts(eqn, deps: list) -> list:
+    """`_seed_facts` through a scan: its body, with the carries' facts joined with
+    what the body gives them until they settle."""
+    body = eqn.params["jaxpr"].jaxpr
+    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    facts = list(deps)
+    while True:
+        outs = _seed_facts(body, facts)
+        carry = facts[n_consts : n_consts + n_carry]
+        joined = [_merge(a, b) for a, b in zip(carry, outs[:n_carry], strict=True)]
+        if joined == carry:
+            return outs
+        facts[n_consts : n_consts + n_carry] = joined
 
 
 class _Decision(NamedTuple):
@@ -435,7 +501,7 @@ def _custom_rule(prim, use_vjp):
                 diags[i] = one
                 if not reaches[k]:
                     assert nans is not None
-                    masks[i] = lax.bitwise_not(lax.ne(nans[k], nans[k]))
+                    masks[i] = dropped_entries(one, nans[k])
         for i in idx:
             x = primals[i]
             if i in diags:

@@ -83,8 +83,9 @@ def selected_away(linear, x, reaches: bool | None = None):
     `linear` maps a tangent shaped like `x` to an out-shaped array, elementwise. A
     ones tangent gives the diagonal. A NaN tangent shows where the rule does not use
     its input at all (JAX's `select`-based rules, e.g. `relu` or `clamp`): those
-    entries are selected away, and a product with them must stay zero even against
-    an infinite factor, as it does in JAX. Returns `(diagonal, mask or None)`.
+    entries, where the diagonal is zero too, are selected away, and a product with
+    them must stay zero even against an infinite factor, as it does in JAX. Returns
+    `(diagonal, mask or None)`.
 
     `reaches`: whether a NaN seed is known to reach every output (`seed_reaches`);
     found from `linear`'s jaxpr when `None`.
@@ -94,8 +95,16 @@ def selected_away(linear, x, reaches: bool | None = None):
         reaches = all(seed_reaches(linear, x) or [False])
     if reaches:
         return diag, None  # shown on the rule's jaxpr: no select to probe for
-    dropped = lax.bitwise_not(lax.ne(*(2 * [linear(lax.full_like(x, jnp.nan))])))
-    return diag, dropped
+    return diag, dropped_entries(diag, linear(lax.full_like(x, jnp.nan)))
+
+
+def dropped_entries(diag, nan_probe):
+    """Where a rule selects its seed away: its diagonal is zero and a NaN seed does
+    not come out. (A rule that replaces a NaN seed, `where(isnan(t), 0, t)`, has a
+    nonzero diagonal there: it uses its seed.)"""
+    return lax.bitwise_and(
+        lax.eq(nan_probe, nan_probe), lax.eq(diag, lax.full_like(diag, 0))
+    )
 
 
 # Primitives whose every output element is NaN when one (non-empty) operand is NaN
