@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import heapq
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ._graph import EdgeGraph
-from ._simulator import Simulator, State
+from ._simulator import Cost, Simulator, State
 
 
 _ALIASES = {
@@ -223,24 +222,31 @@ def _min_fill_score(sim: Simulator, state: State, i: int):
     return (entries, new, sim.vertex_muls(state, i))
 
 
+# One elimination of a named order: the vertex id and what `Simulator.eliminate`
+# returned for it.
+Step = tuple[int, tuple[int, int, int, int, int]]
+
+
 def greedy(sim: Simulator, score: Score, state: State | None = None) -> list[int]:
     """The greedy order of `score` from `state` (default: the start), as vertex ids."""
     state = sim.start() if state is None else state
+    return [v for v, _ in _greedy_steps(sim, score, state)]
+
+
+def _greedy_steps(sim: Simulator, score: Score, state: State) -> Iterator[Step]:
     version = dict.fromkeys(state.remaining, 0)
     heap = [(score(sim, state, i), i, 0) for i in state.remaining]
     heapq.heapify(heap)
-    order = []
     while heap:
         _, i, ver = heapq.heappop(heap)
         if i not in state.remaining or ver != version[i]:
             continue
         neighbours = (state.pred[i].keys() | state.succ[i].keys()) & state.remaining
-        sim.eliminate(state, i)
-        order.append(sim.vertices[i])
+        costs = sim.eliminate(state, i)
+        yield sim.vertices[i], costs
         for n in neighbours:
             version[n] += 1
             heapq.heappush(heap, (score(sim, state, n), n, version[n]))
-    return order
 
 
 def safe_preeliminations(sim: Simulator, state: State) -> list[int]:
@@ -252,7 +258,10 @@ def safe_preeliminations(sim: Simulator, state: State) -> list[int]:
     the larger of the two (so diagonal chains stay diagonal, while a dense outer
     product is left for the order to decide). Repeats until no such vertex is left.
     """
-    done = []
+    return [v for v, _ in _preelimination_steps(sim, state)]
+
+
+def _preelimination_steps(sim: Simulator, state: State) -> Iterator[Step]:
     changed = True
     while changed:
         changed = False
@@ -264,16 +273,14 @@ def safe_preeliminations(sim: Simulator, state: State) -> list[int]:
             c = sim.product_id(a, b)
             if sim.stored(c) > max(sim.stored(a), sim.stored(b)):
                 continue
-            sim.eliminate(state, i)
-            done.append(sim.vertices[i])
+            yield sim.vertices[i], sim.eliminate(state, i)
             changed = True
-    return done
 
 
 def markowitz(sim: Simulator) -> list[int]:
     """Lowest Markowitz cost first: the vertex whose elimination costs the fewest
     multiplications now."""
-    return greedy(sim, _markowitz_score)
+    return [v for v, _ in _markowitz_steps(sim)]
 
 
 def relative_markowitz(sim: Simulator) -> list[int]:
@@ -284,9 +291,7 @@ def relative_markowitz(sim: Simulator) -> list[int]:
     Plain Markowitz keeps postponing well-connected vertices, whose cost then grows
     with every neighbour eliminated; dividing by the degree eliminates them earlier.
     """
-    state = sim.start()
-    pre = safe_preeliminations(sim, state)
-    return pre + greedy(sim, _relative_markowitz_score, state)
+    return [v for v, _ in _relative_markowitz_steps(sim)]
 
 
 def min_fill(sim: Simulator) -> list[int]:
@@ -297,15 +302,40 @@ def min_fill(sim: Simulator) -> list[int]:
     ties go to fewer new edges, then to fewer multiplications. Keeping the graph
     sparse keeps later eliminations cheap and the program's memory small.
     """
+    return [v for v, _ in _min_fill_steps(sim)]
+
+
+def _markowitz_steps(sim: Simulator) -> Iterator[Step]:
+    return _greedy_steps(sim, _markowitz_score, sim.start())
+
+
+def _relative_markowitz_steps(sim: Simulator) -> Iterator[Step]:
     state = sim.start()
-    pre = safe_preeliminations(sim, state)
-    return pre + greedy(sim, _min_fill_score, state)
+    yield from _preelimination_steps(sim, state)
+    yield from _greedy_steps(sim, _relative_markowitz_score, state)
+
+
+def _min_fill_steps(sim: Simulator) -> Iterator[Step]:
+    state = sim.start()
+    yield from _preelimination_steps(sim, state)
+    yield from _greedy_steps(sim, _min_fill_score, state)
+
+
+def _plain_steps(sim: Simulator, order: Sequence[int]) -> Iterator[Step]:
+    state = sim.start()
+    for v in order:
+        yield v, sim.eliminate(state, sim.index[v])
 
 
 HEURISTICS: dict[str, Callable[[Simulator], list[int]]] = {
     "markowitz": markowitz,
     "relative_markowitz": relative_markowitz,
     "min_fill": min_fill,
+}
+_HEURISTIC_STEPS: dict[str, Callable[[Simulator], Iterator[Step]]] = {
+    "markowitz": _markowitz_steps,
+    "relative_markowitz": _relative_markowitz_steps,
+    "min_fill": _min_fill_steps,
 }
 
 
@@ -378,36 +408,77 @@ def auto(sim: Simulator) -> list[int]:
     Orders are ranked by the run-time model, ties broken by the estimated memory
     traffic (additions plus entries written). A heuristic order wins only where it is
     predicted at least `AUTO_MARGIN` cheaper than the better of fwd and rev.
+
+    The candidates are built and costed side by side, one elimination at a time,
+    always advancing the one predicted cheapest so far (a heuristic's cost divided by
+    `1 - AUTO_MARGIN`, the factor it must win by). Costs only grow along an order, so
+    a candidate is dropped as soon as its cost so far shows it cannot be picked:
+    simulating an order far costlier than the winner in full (forward mode through ten
+    banded time steps, Markowitz on a training step whose loss reverse mode handles
+    cheaply) is most of the time `auto` would take. The pick is the one full
+    simulations of every candidate give.
     """
+    plain_names = ("fwd", "rev")
+    inter = list(sim.intermediates)
+    runs: dict[str, Iterator[Step]] = {
+        "fwd": _plain_steps(sim, inter),
+        "rev": _plain_steps(sim, inter[::-1]),
+    }
+    for name, steps in _HEURISTIC_STEPS.items():
+        runs[name] = steps(sim)
+    rank = {name: k for k, name in enumerate(runs)}
+    totals: dict[str, tuple[int, ...]] = dict.fromkeys(runs, (0, 0, 0, 0, 0))
+    orders: dict[str, list[int]] = {name: [] for name in runs}
+    done: dict[str, tuple[float, int]] = {}
+    alive = set(runs)
+    keep = 1.0 - AUTO_MARGIN
 
-    def key(order, bound: float = math.inf) -> tuple[float, int] | None:
-        # `None` once the predicted time passes `bound` (it only grows).
-        c = sim.cost_until(order, lambda c: predicted_time(c) > bound)
-        return None if c is None else (predicted_time(c), c.adds + c.traffic)
+    def key(name: str) -> tuple[float, int]:
+        c = Cost(*totals[name])
+        return predicted_time(c), c.adds + c.traffic
 
-    named = candidates(sim)
-    keys: dict[str, tuple[float, int]] = {}
-    for name in HEURISTICS:
-        k = key(named[name])
-        assert k is not None
-        keys[name] = k
-    # A plain order predicted slower than this loses to the best heuristic whatever
-    # its exact cost, so its simulation can stop there: on programs with much
-    # fill-in (ten banded time steps, say) simulating forward and reverse mode in
-    # full is most of the time `auto` takes.
-    bound = min(k[0] for k in keys.values()) / (1.0 - AUTO_MARGIN)
-    plain_keys = {}
-    for name in ("fwd", "rev"):
-        k = key(named[name], bound)
-        if k is not None:
-            plain_keys[name] = k
-    if not plain_keys:
-        return named[min(HEURISTICS, key=keys.__getitem__)]
-    plain = min(plain_keys, key=plain_keys.__getitem__)
-    best_key, best = plain_keys[plain], named[plain]
-    threshold = (1.0 - AUTO_MARGIN) * best_key[0]
-    for name in HEURISTICS:
-        k = keys[name]
-        if k[0] <= threshold and k < best_key:
-            best_key, best = k, named[name]
-    return best
+    def pace(name: str) -> tuple[float, int]:
+        time = key(name)[0]
+        return (time if name in plain_names else time / keep), rank[name]
+
+    def hopeless(name: str) -> bool:
+        # Whether `name`, whose cost so far is `key(name)` and can only grow, cannot
+        # be what the full comparison at the end of `auto` picks.
+        k = key(name)
+        if name in plain_names:
+            # Not the better plain order; or so slow that a finished heuristic wins
+            # against it, and then the best heuristic is picked whatever it costs.
+            return any(
+                k > done[p] for p in plain_names if p in done and p != name
+            ) or any(k[0] > done[h][0] / keep for h in HEURISTICS if h in done)
+        # Not within the margin of a finished plain order; or beaten by a finished
+        # heuristic.
+        return any(k[0] > keep * done[p][0] for p in plain_names if p in done) or any(
+            k > done[h] for h in HEURISTICS if h in done
+        )
+
+    while alive:
+        name = min(alive, key=pace)
+        step = next(runs[name], None)
+        if step is None:
+            alive.discard(name)
+            done[name] = key(name)
+            alive -= {other for other in alive if hopeless(other)}
+            continue
+        vertex, costs = step
+        orders[name].append(vertex)
+        totals[name] = tuple(a + b for a, b in zip(totals[name], costs, strict=True))
+        if hopeless(name):
+            alive.discard(name)
+
+    plain = [p for p in plain_names if p in done]
+    heuristics = [h for h in HEURISTICS if h in done]
+    if not plain:
+        return orders[min(heuristics, key=done.__getitem__)]
+    best = min(plain, key=done.__getitem__)
+    best_key = done[best]
+    threshold = keep * best_key[0]
+    for name in heuristics:
+        if done[name][0] <= threshold and done[name] < best_key:
+            best_key, best = done[name], name
+    return orders[best]

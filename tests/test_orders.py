@@ -251,11 +251,21 @@ def _auto_cases():
     for seed in range(6):
         f, args = _random_program(seed)
         yield f"random {seed}", f, args, (0, 1)
+    # A training loss: reverse mode is cheap, and the heuristics are dropped early.
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    w1, w2 = jax.random.normal(k[0], (16, 32)), jax.random.normal(k[1], (32, 8))
+    x = jax.random.normal(k[2], (64, 16))
+
+    def loss(w1, w2):
+        return jnp.mean(jnp.tanh(jnp.tanh(x @ w1) @ w2) ** 2)
+
+    yield "loss", loss, (w1, w2), (0, 1)
 
 
-def test_auto_stops_simulating_plain_orders_that_cannot_win():
-    # `auto` stops simulating fwd and rev once they are predicted slower than the
-    # best heuristic can lose to; its pick must be the one full simulations give.
+def test_auto_picks_what_full_simulations_pick():
+    # `auto` builds and costs its candidates side by side and drops each as soon as
+    # its cost so far shows it cannot be picked; its pick must be the one full
+    # simulations of every candidate give.
     from graphax_eqx._orders import auto
 
     for name, fun, args, argnums in _auto_cases():
