@@ -47,7 +47,7 @@ def sim_edge(partial) -> SimEdge:
     return SimEdge(partial.pattern, partial.val is not None)
 
 
-def sim_product(a: SimEdge, b: SimEdge) -> tuple[SimEdge, int]:
+def sim_product(a: SimEdge, b: SimEdge, final: bool = False) -> tuple[SimEdge, int]:
     plan = product_plan(a.pattern, b.pattern, a.has_val, b.has_val)
     return SimEdge(plan.pattern, plan_has_val(plan, a.has_val, b.has_val)), plan.muls
 
@@ -67,15 +67,15 @@ def sim_add(a: SimEdge, b: SimEdge) -> tuple[SimEdge, int]:
     return SimEdge(pattern, True), adds
 
 
-def real_product(a, b):
-    return product(a, b)
+def real_product(a, b, final: bool = False):
+    return product(a, b, final)
 
 
 def real_add(a, b):
     return add(a, b)
 
 
-Mul = Callable[[Any, Any], tuple[Any, int]]
+Mul = Callable[..., tuple[Any, int]]
 
 
 def written(edge) -> int:
@@ -105,7 +105,9 @@ def eliminate_vertex(graph: EdgeGraph, v: int, mul: Mul, plus: Mul) -> tuple[int
     muls = adds = 0
     for u, e_uv in ins.items():
         for w, e_vw in outs.items():
-            edge, m = mul(e_vw, e_uv)
+            # An edge from an input (negative id) to an output (no successors) is
+            # never multiplied again.
+            edge, m = mul(e_vw, e_uv, final=u < 0 and not graph.succ[w])
             muls += m
             if structurally_zero(edge):
                 continue

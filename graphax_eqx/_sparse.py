@@ -824,7 +824,12 @@ def _sparse_product_plan(pa: Pattern, pb: Pattern, a_val: bool, b_val: bool):
 
 
 def _apply_masked(
-    apply, val: Array, st: SparseTensor, refined: Pattern, apply_probe=None
+    apply,
+    val: Array,
+    st: SparseTensor,
+    refined: Pattern,
+    apply_probe=None,
+    final: bool = False,
 ):
     """`apply(val)` for a linear map met by the refined values of `st`, and the
     result's mask when `st` has one.
@@ -832,11 +837,14 @@ def _apply_masked(
     The map is also applied (by `apply_probe`, `apply` unless given) to a probe that
     is NaN on the entries of `st` that are stored and not selected away, and zero
     elsewhere: an entry of the result that no such entry reaches is made only of
-    selected-away terms.
+    selected-away terms. A `final` product (see `product`) skips the probe, a second
+    run of the map (a transposed convolution, say): its mask would only matter
+    against a later factor, and the result keeps what the map gives, as the
+    (co)tangent JAX's own pass carries through it would.
     """
     out = apply(val)
     mask = full_mask(st)
-    if mask is None:
+    if mask is None or final:
         return out, None
     assert st.val is not None
     nan = lax.full_like(st.val, jnp.nan)
@@ -847,21 +855,26 @@ def _apply_masked(
     return _select_away(out, out_mask), out_mask
 
 
-def _apply_map(how, fn, shared, st: SparseTensor, refined: Pattern, n: int):
+def _apply_map(
+    how, fn, shared, st: SparseTensor, refined: Pattern, n: int, final: bool = False
+):
     """`how(fn, ·, n=n)` (`_apply_leading` or `_apply_trailing`) applied to the
     refined values of `st`, and the result's mask (see `_apply_masked`); through the
     sibling group `shared` (`(group, slot)`) when the map has one."""
     val = refine(st, refined).val
     assert val is not None
     if shared is None:
-        return _apply_masked(functools.partial(how, fn, n=n), val, st, refined)
+        apply = functools.partial(how, fn, n=n)
+        return _apply_masked(apply, val, st, refined, final=final)
     group, slot = shared
 
-    def apply(role: str):
+    def shared_apply(role: str):
         key = (st, refined, role)
         return functools.partial(group.apply, how, n=n, slot=slot, key=key)
 
-    return _apply_masked(apply("val"), val, st, refined, apply("probe"))
+    return _apply_masked(
+        shared_apply("val"), val, st, refined, shared_apply("probe"), final
+    )
 
 
 def _apply_leading(fn, x: Array, n: int):
@@ -934,19 +947,31 @@ def _result_dtype(a, b):
     return jnp.result_type(a.dtype, b.dtype)
 
 
-def product(a: Partial, b: Partial) -> tuple[Partial, int]:
-    """`A · B` for `A: w ← v`, `B: v ← u`; returns it and its multiplications."""
+def product(a: Partial, b: Partial, final: bool = False) -> tuple[Partial, int]:
+    """`A · B` for `A: w ← v`, `B: v ← u`; returns it and its multiplications.
+
+    `final`: the product is never multiplied again (it runs from an input to an
+    output vertex), so where a linear map is applied it needs no mask of the entries
+    it selects away (see `_apply_masked`).
+    """
     a_val, b_val = has_val(a), has_val(b)
     plan = product_plan(a.pattern, b.pattern, a_val, b_val)
     if not isinstance(plan, _ProductPlan):
         return _indexed.run_product(a, b, plan, _result_dtype(a, b))
-    out, muls = _product(a, b, plan, a_val, b_val)
+    out, muls = _product(a, b, plan, a_val, b_val, final)
     if plan.materialise:
         out = to_sparse(out)
     return out, muls
 
 
-def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: bool):
+def _product(
+    a: Partial,
+    b: Partial,
+    plan: _ProductPlan,
+    a_val: bool,
+    b_val: bool,
+    final: bool = False,
+):
     dtype = _result_dtype(a, b)
     lazy = plan.lazy
     if plan.kind == "linear-linear":
@@ -991,13 +1016,17 @@ def _product(a: Partial, b: Partial, plan: _ProductPlan, a_val: bool, b_val: boo
         assert isinstance(a, LinearMap) and isinstance(b, SparseTensor)
         assert plan.refined is not None
         n = len(b.out_shape)
-        val, mask = _apply_map(_apply_leading, a.fn, a.shared_fn, b, plan.refined, n)
+        val, mask = _apply_map(
+            _apply_leading, a.fn, a.shared_fn, b, plan.refined, n, final
+        )
         return SparseTensor(_cast(val, dtype), plan.pattern, dtype, mask), plan.muls
     if plan.kind == "apply-linear":
         assert isinstance(a, SparseTensor) and isinstance(b, LinearMap)
         assert plan.refined is not None
         n = len(a.in_shape)
-        val, mask = _apply_map(_apply_trailing, b.tfn, b.shared_tfn, a, plan.refined, n)
+        val, mask = _apply_map(
+            _apply_trailing, b.tfn, b.shared_tfn, a, plan.refined, n, final
+        )
         return SparseTensor(_cast(val, dtype), plan.pattern, dtype, mask), plan.muls
     assert isinstance(a, SparseTensor) and isinstance(b, SparseTensor)
     operands, subs = [], []

@@ -343,3 +343,46 @@ def test_window_max_before_an_infinite_partial(order):
             _check(result, fwd, rev, order)
             # Only the entries both modes give as infinite are infinite or NaN.
             assert np.isfinite(np.asarray(result)).sum() == result.size - 1
+
+
+def _convolutions(jaxpr) -> int:
+    found = 0
+    for eqn in jaxpr.eqns:
+        found += eqn.primitive is jax.lax.conv_general_dilated_p
+        for value in eqn.params.values():
+            if hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+                found += _convolutions(value.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("order", _ORDERS)
+def test_final_products_apply_a_map_once(order):
+    """A product from an input to an output is never multiplied again, so applying
+    a linear map there (a convolution's transpose for the weights' gradient) needs no
+    second run on the probe that carries a ReLU's selected-away entries: the program
+    holds the forward and one backward convolution, as `jax.grad`'s does."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    x = jax.random.normal(k1, (4, 3, 8, 8))
+    w = jax.random.normal(k2, (8, 3, 3, 3))
+
+    def loss(w):
+        y = jax.lax.conv(x, w, (1, 1), "SAME")
+        return jnp.sum(jnp.tanh(jax.nn.relu(y)))
+
+    jac = gx.jacve(loss, order=order)
+    assert _convolutions(jax.make_jaxpr(jac)(w).jaxpr) == 2
+    np.testing.assert_allclose(jac(w), jax.grad(loss)(w), rtol=1e-5, atol=1e-5)
+    # At NaN and infinite points the usual criterion holds.
+    special = x.at[0, 0, 0, :3].set(jnp.array([jnp.nan, jnp.inf, -jnp.inf]))
+
+    def at_special(w):
+        y = jax.lax.conv(special, w, (1, 1), "SAME")
+        return jnp.sum(jnp.tanh(jax.nn.relu(y)))
+
+    with np.errstate(all="ignore"):
+        _check(
+            gx.jacve(at_special, order=order)(w),
+            jax.jacfwd(at_special)(w),
+            jax.jacrev(at_special)(w),
+            f"{order} at NaN and infinite inputs",
+        )
