@@ -460,13 +460,18 @@ _NONLINEAR_BODIES = {  # name: (body, the primitive the error names)
     ),
     "clip-in-cond": (lambda g: lax.cond(True, _clip, lambda g: g, g), "max"),
     "clip-in-scan": (lambda g: lax.map(_clip, g), "max"),
+    # Guards picking a constant: `0.5` is no linear function of the seed; a zero
+    # would be, but constants are not told apart (refused, never silently wrong).
+    "guard-picks-constant": (lambda g: jnp.where(g == 0, 0.5, g), "select_n"),
+    "nan-to-zero": (lambda g: jnp.where(jnp.isnan(g), 0.0, g), "select_n"),
+    "zero-shortcut": (
+        lambda g: lax.cond(jnp.all(g == 0), jnp.zeros_like, lambda g: 3.0 * g, g),
+        "cond",
+    ),
 }
 _MIX = jnp.array([[1.0, -2.0, 0.5, 3.0], [0.3, 1.0, -1.0, 2.0], [2.0, 0.1, 0.2, -0.7]])
 _LINEAR_BODIES = {
-    "nan-to-zero": lambda g: jnp.where(jnp.isnan(g), 0.0, g),
-    "zero-shortcut": lambda g: lax.cond(
-        jnp.all(g == 0), jnp.zeros_like, lambda g: 3.0 * g, g
-    ),
+    "guarded-cases": lambda g: jnp.where(jnp.isnan(g), 2.0 * g, g),
     "checked": lambda g: eqx.error_if(2.0 * g, jnp.isnan(g).any(), "NaN cotangent"),
     "linear-cond": lambda g: lax.cond(True, lambda g: 2.0 * g, lambda g: g, g),
     "linear-scan": lambda g: lax.scan(lambda c, gi: (c + gi, c + gi), 0.0, g)[1],
@@ -507,8 +512,9 @@ def test_rules_nonlinear_through_any_primitive_are_refused(name):
 
 @pytest.mark.parametrize("name", sorted(_LINEAR_BODIES))
 def test_rules_linear_in_their_seed_are_accepted(name):
-    """Guards on the seed (a NaN check, a shortcut for a zero cotangent) and control
-    flow or contractions that stay linear in it are accepted and match JAX."""
+    """Guards on the seed (`eqx.error_if` on a NaN cotangent, a choice between
+    linear cases) and control flow or contractions that stay linear in it are
+    accepted and match JAX."""
     x = jnp.array([0.5, -1.0, 1.5, 2.0])
     by_vjp, by_jvp = _rules_with_body(_LINEAR_BODIES[name])
     for fun, reference in ((by_vjp, jax.jacrev), (by_jvp, jax.jacfwd)):

@@ -120,9 +120,12 @@ _ORDER_STATISTICS = {
     lax.cumlogsumexp_p,
 }
 # Equality tests of the seed (against zero, or `g != g` for NaN) guard a rule
-# (`eqx.error_if`, skipping the work for a zero cotangent) without changing what it
-# computes for other values: their results count as independent of the seed.
+# (`eqx.error_if` raising on a NaN cotangent): their results hold `_GUARD`, which may
+# pick between cases that are all linear in the seed, or steer a `cond` whose other
+# branches raise (call back), and nothing else.
 _GUARDS = {lax.eq_p, lax.ne_p, lax.is_finite_p}
+_GUARD = "guard"  # the fact of a guard's result; any other string names a primitive
+_CALLBACKS = {"pure_callback", "io_callback"}
 
 
 def _nonlinear_step(eqn, deps: list[bool]) -> bool:
@@ -143,13 +146,23 @@ def _nonlinear_step(eqn, deps: list[bool]) -> bool:
     return prim in _ELEMENTWISE_ANY or prim in _ORDER_STATISTICS
 
 
+def _tainted(fact) -> bool:
+    return isinstance(fact, str) and fact != _GUARD
+
+
 def _merge(a, b):
     """The join of two facts of `_seed_facts`: a nonlinear primitive's name wins."""
-    if isinstance(a, str):
+    if _tainted(a):
         return a
-    if isinstance(b, str):
+    if _tainted(b):
         return b
     return a or b
+
+
+def _raises(branch) -> bool:
+    """Whether a `cond` branch calls back to the host (`eqx.error_if`'s raising
+    branch): what it returns is never used."""
+    return any(e.primitive.name in _CALLBACKS for e in branch.jaxpr.eqns)
 
 
 def _nonlinear_use(jaxpr, in_deps: list[bool]) -> str | None:
@@ -157,7 +170,7 @@ def _nonlinear_use(jaxpr, in_deps: list[bool]) -> str | None:
     rule's results (a rule such as `clip(g)`, not a linear map of its seed), or None.
     See `_seed_facts`."""
     outs = _seed_facts(jaxpr, in_deps)
-    return next((d for d in outs if isinstance(d, str)), None)
+    return next((d for d in outs if _tainted(d)), None)
 
 
 def _seed_facts(jaxpr, facts: list) -> list:
@@ -175,22 +188,44 @@ def _seed_facts(jaxpr, facts: list) -> list:
 
     def transfer(eqn, deps):
         prim = eqn.primitive
-        if prim is lax.while_p or prim in _GUARDS:
-            return [False] * len(eqn.outvars)
-        tainted = next((d for d in deps if isinstance(d, str)), None)
-        if tainted is None and prim is lax.cond_p:
-            if deps[0] is not False:
-                return ["cond"] * len(eqn.outvars)
-            outs = [False] * len(eqn.outvars)
-            for branch in eqn.params["branches"]:
-                found = _seed_facts(branch.jaxpr, deps[1:])
-                outs = [_merge(a, b) for a, b in zip(outs, found, strict=True)]
+        n_out = len(eqn.outvars)
+        if prim is lax.while_p:
+            return [False] * n_out
+        tainted = next((d for d in deps if _tainted(d)), None)
+        if tainted is not None:
+            return [tainted] * n_out
+        if prim in _GUARDS:
+            return [_GUARD] * n_out
+        if prim is lax.select_n_p and deps[0] == _GUARD:
+            # Linear only where every case is: a constant case would not be.
+            ok = all(d is True for d in deps[1:])
+            return [True if ok else prim.name] * n_out
+        if prim is lax.cond_p:
+            branches = eqn.params["branches"]
+            if deps[0] == _GUARD:
+                branches = [b for b in branches if not _raises(b)]
+            elif deps[0] is not False:
+                return ["cond"] * n_out
+            found = [_seed_facts(b.jaxpr, deps[1:]) for b in branches]
+            outs: list = [False] * n_out
+            for k in range(n_out):
+                for facts in found:
+                    outs[k] = _merge(outs[k], facts[k])
+                if deps[0] == _GUARD and outs[k] and not _tainted(outs[k]):
+                    if any(facts[k] is not True for facts in found):
+                        outs[k] = "cond"
             return outs
-        if tainted is None and prim is lax.scan_p:
+        if _GUARD in deps:
+            # Guards combine into guards (`any`, `all`, an index); anything else
+            # that takes one in is a value chosen by the seed.
+            if all(not jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.outvars):
+                return [_GUARD] * n_out
+            return [prim.name] * n_out
+        if prim is lax.scan_p:
             return _scan_facts(eqn, deps)
-        if tainted is None and _nonlinear_step(eqn, [d is not False for d in deps]):
-            tainted = prim.name
-        return [True if tainted is None else tainted] * len(eqn.outvars)
+        if _nonlinear_step(eqn, [d is not False for d in deps]):
+            return [prim.name] * n_out
+        return [True] * n_out
 
     return propagate_facts(jaxpr, facts, transfer, False, _sub_jaxpr)
 
