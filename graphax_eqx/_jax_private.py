@@ -454,6 +454,25 @@ _RULE_WRAPPERS = (
 )
 
 
+_STATIC = (bool, int, float, complex, str, type(None))
+
+
+def _static_values(obj, depth: int = 0) -> list:
+    """The Python scalars and strings in `obj` (nested in tuples, lists and dicts),
+    tagged, for a key: the static arguments of a rule."""
+    if isinstance(obj, _STATIC):
+        return [("static", type(obj).__name__, obj)]
+    if depth > 4:
+        return []
+    if type(obj).__name__ in ("Unhashable", "Hashable"):  # JAX's wrappers of them
+        return _static_values(getattr(obj, "val", None), depth + 1)
+    if isinstance(obj, dict):
+        obj = list(obj.items())
+    if isinstance(obj, (tuple, list)):
+        return [v for item in obj for v in _static_values(item, depth + 1)]
+    return []
+
+
 def custom_rule_functions(params: dict[str, Any]) -> tuple:
     """The Python functions defining the rule of a custom-derivative equation.
 
@@ -470,11 +489,16 @@ def custom_rule_functions(params: dict[str, Any]) -> tuple:
         seen.add(id(obj))
         if hasattr(obj, "f") and hasattr(obj, "transforms"):  # a WrappedFun
             walk(obj.f, depth + 1)
+            # Static arguments bound to the rule (`nondiff_argnums`) change what it
+            # computes without changing its functions.
+            for transform in obj.transforms:
+                found.extend(_static_values(transform[1:]))
         elif isinstance(obj, (tuple, list)):
             for item in obj:
                 walk(item, depth + 1)
         elif isinstance(obj, functools.partial):
             walk(obj.func, depth + 1)
+            found.extend(_static_values((obj.args, obj.keywords)))
         elif isinstance(obj, types.FunctionType):
             if obj.__code__.co_filename.endswith(_RULE_WRAPPERS):
                 for cell in obj.__closure__ or ():

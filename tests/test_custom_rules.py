@@ -707,3 +707,33 @@ def test_sharded_mlp(sharded_report):
         last = [l for l in mlp["error"].splitlines() if "Error" in l.split(":")[0]]
         pytest.xfail(f"sharded MLP fails outside the custom rules: {last[-1:]}")
     assert mlp["matches"]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def scaled_or_clipped(x, c):
+    return x
+
+
+def _scaled_or_clipped_bwd(c, _, g):
+    # Linear in `g` for a positive static `c`, gradient clipping otherwise.
+    return (g * c if c > 0 else jnp.clip(g, -0.1, 0.1),)
+
+
+scaled_or_clipped.defvjp(lambda x, c: (x, None), _scaled_or_clipped_bwd)
+
+
+def test_rules_are_decided_per_static_argument():
+    """The decision about a rule is remembered between calls, keyed on the rule's
+    functions and on its static arguments: the same functions with another
+    `nondiff_argnums` value may compute something else."""
+    x = jnp.linspace(-1.0, 1.0, 3)
+
+    def linear(x):
+        return scaled_or_clipped(jnp.sin(x), 2.0) * 5.0
+
+    def clipping(x):
+        return scaled_or_clipped(jnp.sin(x), -1.0) * 5.0
+
+    np.testing.assert_allclose(gx.jacve(linear)(x), jax.jacrev(linear)(x), rtol=1e-6)
+    with pytest.raises(ValueError, match="scaled_or_clipped.*not linear"):
+        gx.jacve(clipping)(x)
