@@ -253,10 +253,18 @@ def safe_preeliminations(sim: Simulator, state: State) -> list[int]:
     """Eliminate, in place, the vertices whose elimination is safe; returns their ids.
 
     A vertex with one predecessor and one successor (a link in a chain) merges two
-    edges into one: it adds no edge, and every order must pay for combining the two
-    partials anyway. It is safe when the merged partial stores no more entries than
-    the larger of the two (so diagonal chains stay diagonal, while a dense outer
-    product is left for the order to decide). Repeats until no such vertex is left.
+    edges into one and adds no edge. It is taken when the merged partial stores no
+    more entries than the larger of the two (so diagonal chains stay diagonal, while a
+    dense outer product is left for the order to decide). Repeats until no such vertex
+    is left.
+
+    With scalar or diagonal partials every order pays the same for such a merge. With
+    matrices it need not: a chain of products costs what its bracketing costs, and
+    merging two dense partials first can cost more multiplications than carrying a
+    smaller partial through each of them later (the MLP's `W2 W1`). Refusing merges
+    that cost more multiplications than the smaller partial stores was measured and
+    not kept: it saves multiplications on the MLP and the transformer but gives
+    RandomWide an order that runs slower than reverse mode (`benchmarks/NOTES.md`).
     """
     return [v for v, _ in _preelimination_steps(sim, state)]
 
