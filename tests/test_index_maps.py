@@ -486,6 +486,36 @@ def test_primitive(fun, build, argnums, order, sparse):
     _check(fun, build, argnums, order, sparse)
 
 
+def _window_sum_array_init(x):
+    return lax.reduce_window(x, jnp.zeros((), x.dtype), lax.add, (2, 3), (1, 2), "SAME")
+
+
+def _window_max_array_init(x):
+    init = jnp.full((), -jnp.inf, x.dtype)
+    return lax.reduce_window(x, init, lax.max, (2, 2), (1, 1), "VALID")
+
+
+@pytest.mark.parametrize("order", _ORDERS)
+@pytest.mark.parametrize("op", [_window_sum_array_init, _window_max_array_init])
+def test_generic_reduce_window(op, order):
+    # An initial value that is an array, not a Python number, is traced as the
+    # generic `reduce_window`. It has no rule of its own, and its batching rule
+    # batches the primal result along with the tangents, so neither `jax.jacfwd` nor
+    # `jax.jacrev` differentiates it under `jit`; eagerly JAX reads the initial value
+    # and takes the windowed sum or maximum instead, which is the reference here.
+    fun = _smooth(op)
+    (x,) = _args(_X2)
+    expected = jax.jacfwd(fun)(x)
+    for transform in (lambda f: f, jax.jit):
+        dense_jac = transform(graphax_eqx.jacve(fun, order=order))(x)
+        structured = graphax_eqx.jacve(fun, order=order, sparse_representation=True)
+        structured = transform(structured)
+        np.testing.assert_allclose(dense_jac, expected, rtol=_RTOL, atol=_ATOL)
+        np.testing.assert_allclose(
+            structured(x).dense(), expected, rtol=_RTOL, atol=_ATOL
+        )
+
+
 # --------------------------------------------------------------------------------------
 # Index arrays computed inside the function
 # --------------------------------------------------------------------------------------

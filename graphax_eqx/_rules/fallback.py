@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from .. import _jax_private as jp
@@ -47,11 +48,19 @@ def dense_jacobian(prim, params, primals, active, outs, modes=None):
             modes = ("rev",)
     argnums = tuple(range(len(idx)))
     xs = [primals[i] for i in idx]
+    if "fwd" in modes:
+        # Some batching rules batch the primal result along with the tangents (the
+        # generic `reduce_window`, whose JVP reduces both in one window), which
+        # `jax.jacfwd` refuses: pushing tangents alone forward still works.
+        modes = (*modes, "tangents")
     error = None
     for mode in modes:
-        jacobian = jax.jacfwd if mode == "fwd" else jax.jacrev
         try:
-            jac = jacobian(f, argnums=argnums)(*xs)
+            if mode == "tangents":
+                jac = _jacobian_by_tangents(f, xs)
+            else:
+                jacobian = jax.jacfwd if mode == "fwd" else jax.jacrev
+                jac = jacobian(f, argnums=argnums)(*xs)
             break
         except Exception as e:  # the other mode may still work (custom rules)
             error = e
@@ -67,6 +76,36 @@ def dense_jacobian(prim, params, primals, active, outs, modes=None):
             block = jac[pos][a].astype(outs[k].dtype)
             partials[(k, i)] = dense(block, out_shape, shape_of(primals[i]))
     return partials
+
+
+def _jacobian_by_tangents(f, xs):
+    """`jax.jacfwd(f, argnums=all)(*xs)` as a `vmap` of JVPs over a basis of
+    tangents that never batches the primal computation's result."""
+    sizes = [math.prod(jnp.shape(x)) for x in xs]
+    n = sum(sizes)
+    eye = jnp.eye(n, dtype=jnp.float32)
+    basis, start = [], 0
+    for x, size in zip(xs, sizes, strict=True):
+        rows = eye[:, start : start + size].reshape((n, *jnp.shape(x)))
+        basis.append(rows.astype(jnp.result_type(x)))
+        start += size
+
+    def pushforward(*ts):
+        return jax.jvp(f, tuple(xs), ts)[1]
+
+    columns = jax.vmap(pushforward)(*basis)  # per output: (n, *out_shape)
+    jac = []
+    for col in columns:
+        out_ndim = col.ndim - 1
+        blocks, start = [], 0
+        for x, size in zip(xs, sizes, strict=True):
+            block = col[start : start + size].reshape((*jnp.shape(x), *col.shape[1:]))
+            in_ndim = jnp.ndim(x)
+            perm = (*range(in_ndim, in_ndim + out_ndim), *range(in_ndim))
+            blocks.append(jnp.transpose(block, perm))
+            start += size
+        jac.append(tuple(blocks))
+    return jac
 
 
 def fallback_rule(prim, primals, active, params):
