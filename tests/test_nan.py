@@ -132,6 +132,27 @@ def test_selection_discards_an_infinite_branch(order, jit):
     np.testing.assert_allclose(jac(x), [[1.0, 0.0], [0.0, 2.0]])
 
 
+@pytest.mark.parametrize("order", _ORDERS + ["auto"])
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("reduce", [jnp.max, jnp.min], ids=["max", "min"])
+def test_extremum_of_a_nan_is_nan(reduce, order, jit):
+    # No entry equals a NaN maximum, so JAX's rule divides 0 by 0 along that row.
+    # XLA turns `mask / count` into a select that would give 0 there under `jit`.
+    def fun(x):
+        return reduce(jnp.sin(x), axis=1)
+
+    x = jnp.array([[1.0, jnp.nan, 2.0], [0.5, 0.25, 1.5], [1.0, jnp.nan, jnp.inf]])
+    fwd, rev = jax.jacfwd(fun)(x), jax.jacrev(fun)(x)
+    jac = gx.jacve(fun, order=order)
+    jac = jax.jit(jac) if jit else jac
+    result = jac(x)
+    _check(result, fwd, rev, f"{order}, jit={jit}")
+    # A row holding a NaN: NaN for each of its entries, in both JAX modes and here.
+    for row in (0, 2):
+        assert np.isnan(fwd[row, row]).all() and np.isnan(rev[row, row]).all()
+        assert np.isnan(result[row, row]).all()
+
+
 @pytest.mark.parametrize("order", _ORDERS)
 def test_double_where_is_finite(order):
     """The usual safe pattern: where(x > 0, sqrt(where(x > 0, x, 1)), 0)."""

@@ -47,7 +47,10 @@ def _chooser_rule(prim):
         # Ties share the derivative equally, as JAX's own rule does.
         mask = (x == expanded).astype(x.dtype)
         count = jnp.sum(mask, axis=axes, keepdims=True)
-        val = mask / count
+        # Where no entry equals the result (a NaN among them), JAX's rule divides 0
+        # by 0. XLA rewrites `mask / count` as a select of `1 / count`, which would
+        # leave 0 there, so the NaN is written explicitly.
+        val = jnp.where(count == 0, jnp.nan, mask / count).astype(x.dtype)
         labels, in_labels = _reduce_labels(in_shape, axes)
         partial = from_labeled(
             val, in_labels, shape_of(out), in_shape, labels, out.dtype
