@@ -63,7 +63,8 @@ def dense_jacobian(prim, params, primals, active, outs, modes=None):
                 jac = jacobian(f, argnums=argnums)(*xs)
             break
         except Exception as e:  # the other mode may still work (custom rules)
-            error = e
+            if error is None or mode != "tangents":
+                error = e  # JAX's own transforms say best what went wrong
     else:
         raise TypeError(
             f"`jacve` could not differentiate the primitive `{prim}`: JAX raised "
