@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._bound import scalar_lower_bound
 from ._eliminate import sim_edge
 from ._graph import EdgeGraph, Structure
 from ._jacve import _normalise_argnums, abstract_graph, jacve
@@ -319,6 +320,9 @@ class OrderSearch:
     - `exhaustive`: whether every order was scored (graphs with at most
         8 intermediate vertices, within the budget), so that `order` is optimal for the
         objective.
+    - `lower_bound`: with `objective="muls"` on a graph of scalar partials, a number
+        of multiplications no order can go below (see `docs/orders.md`), else `None`.
+        The search stops as soon as it finds an order meeting it.
     """
 
     order: Order
@@ -332,6 +336,15 @@ class OrderSearch:
     measured: dict[str, float] | None = None
     machine: dict[str, str] | None = None
     exhaustive: bool = False
+    lower_bound: int | None = None
+
+    @property
+    def optimal(self) -> bool:
+        """Whether `order` is proven optimal: every order was scored, or its
+        multiplications meet `lower_bound`."""
+        if self.exhaustive:
+            return True
+        return self.lower_bound is not None and self.cost.num_muls <= self.lower_bound
 
     @property
     def reduction(self) -> float:
@@ -363,6 +376,10 @@ class OrderSearch:
         scored = f"{self.evaluations} orders scored"
         if self.exhaustive:
             scored = f"all {self.evaluations} orders scored (optimal)"
+        elif self.optimal:
+            scored = f"{scored} (optimal: meets the lower bound)"
+        elif self.lower_bound is not None:
+            scored = f"{scored} (no order needs fewer than {self.lower_bound})"
         lines = [
             f"searched order: {self.cost.num_muls} multiplications "
             f"({self.reduction:.1%} fewer than the best of fwd/rev/markowitz), "
@@ -577,6 +594,7 @@ def _search(fun, argnums, has_aux, args, kwargs, pat: _Patterns, settings: _Sett
     }
     obj = _Objective(sim, objective)
     index = sim.index
+    bound = scalar_lower_bound(sim) if objective == "muls" else None
 
     def internal(ids):
         return [index[v] for v in ids]
@@ -624,6 +642,8 @@ def _search(fun, argnums, has_aux, args, kwargs, pat: _Patterns, settings: _Sett
     def done() -> bool:
         if max_evals is not None and obj.evaluations >= max_evals:
             return True
+        if bound is not None and best_value <= bound:
+            return True  # proven optimal
         return time.perf_counter() - t_start >= budget_s
 
     exhaustive = False
@@ -729,6 +749,7 @@ def _search(fun, argnums, has_aux, args, kwargs, pat: _Patterns, settings: _Sett
         measured,
         machine,
         exhaustive and not settings.measure,
+        bound,
     )
 
 

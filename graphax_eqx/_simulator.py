@@ -191,6 +191,14 @@ class Simulator:
         """The pattern id of `edge[a] · edge[b]`."""
         return self._product(a, b)[0]
 
+    def product(self, a: int, b: int) -> tuple[int, int]:
+        """`edge[a] · edge[b]` as (pattern id, multiplications)."""
+        return self._product(a, b)
+
+    def add(self, a: int, b: int) -> int:
+        """The pattern id of `edge[a] + edge[b]`."""
+        return self._add(a, b)[0]
+
     def stored(self, k: int) -> int:
         """Entries pattern `k` stores (0 for pure index maps and lazy maps)."""
         return self._written[k]

@@ -473,7 +473,9 @@ def test_small_graphs_are_searched_exhaustively():
     inter = list(graph.intermediates)
     assert 2 <= len(inter) <= 8
     found = gx.search_order(_tiny, argnums=(0, 1), budget_s=60.0, progress=False)(*args)
-    assert found.exhaustive
+    # Every order scored, or stopped early at one meeting the lower bound.
+    assert found.optimal
+    assert found.exhaustive or found.cost.num_muls == found.lower_bound
     assert "optimal" in str(found)
     best = min(
         gx.elimination_cost(_tiny, order=list(p), argnums=(0, 1))(*args).num_muls
@@ -523,3 +525,89 @@ def test_scores_count_products_without_planning_them():
         for key, muls in sim._muls.items():
             a, b = divmod(key, _SHIFT)
             assert sim._product(a, b)[1] == muls
+
+
+def _scalar_program(seed: int):
+    """A random program of scalar operations: 3 inputs, 4–7 operations, 2 outputs."""
+    rng = np.random.default_rng(seed)
+    unary = {
+        "sin": jnp.sin,
+        "exp": lambda x: jnp.exp(0.1 * x),
+        "neg": lambda x: -x,
+        "scale": lambda x: 2.5 * x,
+        "shift": lambda x: x + 1.0,
+        "square": lambda x: x * x,
+    }
+    binary = {
+        "mul": lambda x, y: x * y,
+        "add": lambda x, y: x + y,
+        "sub": lambda x, y: x - y,
+        "div": lambda x, y: x / (2.0 + y * y),
+    }
+    names = sorted(unary) + sorted(binary)
+    n_ops = int(rng.integers(4, 8))
+    ops = []
+    for k in range(n_ops):
+        name = names[int(rng.integers(len(names)))]
+        ops.append((name, int(rng.integers(3 + k)), int(rng.integers(3 + k))))
+    outs = [int(o) for o in rng.choice(np.arange(3, 3 + n_ops), 2, replace=False)]
+
+    def f(a, b, c):
+        values = [a, b, c]
+        for name, i, j in ops:
+            if name in unary:
+                values.append(unary[name](values[i]))
+            else:
+                values.append(binary[name](values[i], values[j]))
+        return tuple(values[o] for o in outs)
+
+    return f, tuple(jnp.asarray(0.3 + 0.2 * i) for i in range(3))
+
+
+def test_lower_bound_never_exceeds_the_optimum():
+    import itertools
+
+    from graphax_eqx._bound import scalar_lower_bound
+
+    tight = 0
+    for seed in range(60):
+        f, args = _scalar_program(seed)
+        pat = _search._patterns(f, (0, 1, 2), False, args, {}, "test")
+        inter = list(pat.structure.intermediates)
+        sim = Simulator(pat.graph, inter)
+        bound = scalar_lower_bound(sim)
+        assert bound is not None
+        best = min(
+            sim.muls(list(p))
+            for p in itertools.permutations(sim.index[v] for v in inter)
+        )
+        assert bound <= best, seed
+        tight += bound == best
+    # Not vacuous: on most of these small graphs the bound is the optimum.
+    assert tight >= 40
+
+
+def test_search_stops_at_a_proven_optimum():
+    task, args = _task_args("PropaneCombustion")
+    found = gx.search_order(
+        task.fn, argnums=task.argnums, budget_s=60.0, progress=False
+    )(*args)
+    assert found.lower_bound == found.cost.num_muls == 41
+    assert found.optimal and not found.exhaustive
+    assert found.elapsed_s < 10.0
+    assert "meets the lower bound" in str(found)
+
+
+def test_lower_bound_of_the_tasks():
+    from graphax_eqx._bound import scalar_lower_bound
+
+    for name, bound in (("HumanHeartDipole", 68), ("RobotArm_6DOF", 169)):
+        task, args = _task_args(name)
+        pat = _search._patterns(task.fn, task.argnums, False, args, {}, "test")
+        sim = Simulator(pat.graph, list(pat.structure.intermediates))
+        assert scalar_lower_bound(sim) == bound
+    # The MLP's partials are matrices: no bound, and the search says nothing of one.
+    task, args = _task_args("MLP")
+    found = gx.search_order(task.fn, budget_s=60.0, progress=False)(*args)
+    assert found.lower_bound is None
+    assert found.optimal == found.exhaustive
