@@ -267,3 +267,23 @@ def test_sparse_result_through_jit(order):
     assert leaves and all(_is_sparse(leaf) for leaf in leaves)
     dense = jax.tree_util.tree_map(lambda s: s.dense(), result, is_leaf=_is_sparse)
     assert_tree_matches(dense, jax.jacrev(f, argnums=(0, 1))(_X, w))
+
+
+@pytest.mark.parametrize(
+    "fun",
+    [
+        lambda a, b: jnp.where(True, jnp.sin(a) * b, b),
+        lambda a, b: jnp.where(False, jnp.sin(a) * b, b * a),
+        lambda a, b: lax.select_n(1, jnp.sin(a) * b, b * a),
+        lambda a, b: jnp.where(jnp.asarray([True, False]), jnp.sin(a) * b, b * a),
+    ],
+    ids=["where_true", "where_false", "select_n_int", "where_constant_mask"],
+)
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])
+def test_select_with_a_literal_predicate(fun, order):
+    # A predicate written as a Python bool or int reaches the rule as a literal.
+    args = (jnp.array([0.3, -0.4]), jnp.array([0.5, 0.2]))
+    expected = jax.jacrev(fun, argnums=(0, 1))(*args)
+    for transform in (lambda f: f, jax.jit):
+        jac = transform(graphax_eqx.jacve(fun, order=order, argnums=(0, 1)))
+        assert_tree_matches(jac(*args), expected)

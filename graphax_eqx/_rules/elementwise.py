@@ -338,6 +338,7 @@ for _prim, _scales in [
 @register(lax.select_n_p)
 def _select_n(primals, active, **params):
     pred, *cases = primals
+    pred = jnp.asarray(pred)  # a literal predicate arrives as a Python bool or int
     out = lax.select_n(pred, *cases)
     out_shape = shape_of(out)
     partials = {}
