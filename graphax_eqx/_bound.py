@@ -105,15 +105,21 @@ def _scalar_kinds(sim: Simulator, state: State) -> dict[int, bool] | None:
     return kinds
 
 
-def _near(state: State, x: int) -> set[int]:
-    """Remaining vertices within two edges of `x` (in either direction)."""
+def _near(state: State, x: int, limit: int = 48) -> list[int]:
+    """Remaining vertices within two edges of `x` (in either direction), neighbours
+    first, at most `limit` of them (any pairs give a valid bound; the cap keeps hubs,
+    a sum of hundreds of terms, from costing a flow per pair)."""
     rem = state.remaining
-    first = (state.pred[x].keys() | state.succ[x].keys()) & rem
-    out = set(first)
+    first = sorted((state.pred[x].keys() | state.succ[x].keys()) & rem)
+    out = dict.fromkeys(first)
     for v in first:
-        out |= (state.pred[v].keys() | state.succ[v].keys()) & rem
-    out.discard(x)
-    return out
+        if len(out) >= limit:
+            break
+        out.update(
+            dict.fromkeys(sorted((state.pred[v].keys() | state.succ[v].keys()) & rem))
+        )
+    out.pop(x, None)
+    return list(out)[:limit]
 
 
 def _vertex_bound(state: State, x: int, valued: dict[int, bool]) -> int:
