@@ -27,6 +27,7 @@ from collections import deque
 from typing import Any
 
 from ._simulator import Simulator, State
+from ._sparse import Pattern
 
 
 # Each vertex's bound is a flow over its ancestors (or descendants), so the work grows
@@ -82,7 +83,7 @@ def _scalar_kinds(sim: Simulator, state: State) -> dict[int, bool] | None:
         for k in row.values():
             edge = sim.edge(k)
             pattern = edge.pattern
-            if type(pattern).__name__ != "Pattern" or pattern.shape != ():
+            if type(pattern) is not Pattern or pattern.shape != ():
                 return None
             kinds[k] = edge.has_val
     # Products and sums of the kinds must stay among them, costing as assumed.
