@@ -121,16 +121,111 @@ def inline(closed_jaxpr) -> Program:
     invars = [new_var(v) for v in jaxpr.invars]
     const_atoms = hoist(jaxpr.constvars, closed_jaxpr.consts)
     outvars = visit(jaxpr, const_atoms, invars)
-    return realify(
-        Program(
-            tuple(eqns),
-            tuple(invars),
-            tuple(outvars),
-            avals,
-            tuple(constvars),
-            tuple(consts),
-        )
+    program = Program(
+        tuple(eqns),
+        tuple(invars),
+        tuple(outvars),
+        avals,
+        tuple(constvars),
+        tuple(consts),
     )
+    return split_tiled_windows(realify(program))
+
+
+_CHOOSERS = (lax.reduce_window_max_p, lax.reduce_window_min_p)
+
+
+def _tiling(eqn: Eqn, avals) -> tuple[int, ...] | None:
+    """The window of a windowed maximum or minimum whose windows tile its input
+    (no padding or dilation, strides equal to the window, a remainder at the end of
+    an axis dropped), if some axis then holds more than one window of more than one
+    entry; else `None`."""
+    if eqn.prim not in _CHOOSERS or isinstance(eqn.invars[0], Lit):
+        return None
+    shape, dtype = avals[eqn.invars[0]]
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return None
+    params = eqn.params
+    window = tuple(int(w) for w in params["window_dimensions"])
+    if (
+        any(tuple(p) != (0, 0) for p in params["padding"])
+        or any(d != 1 for d in params["base_dilation"])
+        or any(d != 1 for d in params["window_dilation"])
+        or tuple(params["window_strides"]) != window
+        or any(w > n for w, n in zip(window, shape, strict=True))
+    ):
+        return None
+    if not any(w > 1 and n // w > 1 for w, n in zip(window, shape, strict=True)):
+        return None
+    return window
+
+
+def _split_windows(prim, params, window, shape):
+    """`x ↦ prim(x)` with tiling windows, as a slice dropping each axis's remainder,
+    a reshape splitting every windowed axis into (windows, entries), the reduction
+    over the entry axes alone, and a reshape dropping them."""
+    counts = [n // w for n, w in zip(shape, window, strict=True)]
+    split, new_window = [], []
+    for n, w in zip(counts, window, strict=True):
+        split += [n, w] if w > 1 else [n]
+        new_window += [1, w] if w > 1 else [1]
+    rank = len(new_window)
+    new_params = dict(
+        params,
+        window_dimensions=tuple(new_window),
+        window_strides=tuple(new_window),
+        padding=((0, 0),) * rank,
+        base_dilation=(1,) * rank,
+        window_dilation=(1,) * rank,
+    )
+
+    def split_reduce(x):
+        kept = [n * w for n, w in zip(counts, window, strict=True)]
+        if kept != list(shape):
+            x = lax.slice(x, (0,) * len(shape), kept)
+        y = prim.bind(lax.reshape(x, tuple(split)), **new_params)
+        return lax.reshape(y, tuple(counts))
+
+    return split_reduce
+
+
+def split_tiled_windows(program: Program) -> Program:
+    """Max and min pooling over windows that tile the input, rewritten to reduce
+    over axes split off the pooled ones (`(…, h, …)` → `(…, h / k, k, …)`).
+
+    The result is the same, and the choice of entry too (the window's row-major
+    order is kept), but the pooled axes become ties of the local Jacobian: a product
+    with it is a broadcast multiply along them instead of a gather per entry, and the
+    splitting reshape is an index map that moves nothing.
+    """
+    if not any(_tiling(e, program.avals) is not None for e in program.eqns):
+        return program
+    avals = dict(program.avals)
+    fresh = iter(range(max(avals, default=-1) + 1, 1 << 62))
+    eqns: list[Eqn] = []
+    for eqn in program.eqns:
+        window = _tiling(eqn, avals)
+        if window is None:
+            eqns.append(eqn)
+            continue
+        (x,), (out,) = eqn.invars, eqn.outvars
+        assert not isinstance(x, Lit)  # `_tiling` takes variables only
+        shape, dtype = avals[x]
+        fn = _split_windows(eqn.prim, eqn.params, window, shape)
+        closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(shape, dtype))
+        env: dict[Any, Atom] = {closed.jaxpr.invars[0]: x}
+        for sub in closed.jaxpr.eqns:
+            ins = tuple(
+                Lit(v.val) if isinstance(v, jp.Literal) else env[v] for v in sub.invars
+            )
+            outs = []
+            for v in sub.outvars:
+                vid = out if v is closed.jaxpr.outvars[0] else next(fresh)
+                avals[vid] = (tuple(int(s) for s in v.aval.shape), v.aval.dtype)
+                env[v] = vid
+                outs.append(vid)
+            eqns.append(Eqn(sub.primitive, dict(sub.params), ins, tuple(outs)))
+    return dataclasses.replace(program, eqns=tuple(eqns), avals=avals)
 
 
 @dataclasses.dataclass(frozen=True)

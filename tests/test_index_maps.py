@@ -1202,6 +1202,7 @@ def test_window_chooser_with_nan_and_infinite_entries(order, sparse, reducer):
         ((2,), (2,), "VALID", None),
         ((3,), (2,), ((2, 1),), None),
         ((2,), (1,), ((1, 1),), (2,)),
+        ((17,), (3,), "SAME", None),  # more entries than are folded one by one
     ]:
 
         def f(x):
@@ -1214,6 +1215,63 @@ def test_window_chooser_with_nan_and_infinite_entries(order, sparse, reducer):
             jac = graphax_eqx.jacve(f, order=order, sparse_representation=sparse)(x)
             jac = jac.dense() if sparse else jac
             np.testing.assert_array_equal(jac, jax.jacrev(f)(x))
+
+
+@pytest.mark.parametrize("order", _ORDERS)
+def test_tiled_pooling_reduces_over_split_axes(order):
+    """Max and min pooling whose windows tile the input (any remainder dropped) run
+    as a reduction over axes split off the pooled ones: the same Jacobian as
+    `jax.jacrev`, ties and NaNs included, with the pooled axes tied, so a gradient
+    through it gathers nothing."""
+    import equinox as eqx
+
+    rng = np.random.default_rng(7)
+    ties = np.array([0.0, 1.0, 2.0], np.float32)
+    # (pooling, input shape, whether its windows cover the input exactly)
+    cases = [
+        (eqx.nn.MaxPool2d(2, 2), (3, 6, 8), True),
+        (eqx.nn.MaxPool2d(2, 2), (3, 6, 7), False),
+        (eqx.nn.MaxPool1d(3, 3), (2, 10), False),
+        (eqx.nn.MaxPool3d(2, 2), (1, 4, 4, 6), True),
+        (lambda x: -eqx.nn.MaxPool2d(2, 2)(-x), (2, 4, 4), True),
+        (
+            lambda x: lax.reduce_window(
+                x, jnp.inf, lax.min, (1, 2, 3), (1, 2, 3), "VALID"
+            ),
+            (2, 5, 6),
+            False,
+        ),
+    ]
+    for pool, shape, exact in cases:
+
+        def f(x, pool=pool):
+            return jnp.sin(pool(x))
+
+        for values, fn in [(ties, f), (np.append(ties, np.nan), pool)]:
+            x = jnp.asarray(rng.choice(values, size=shape))
+            expected = jax.jit(jax.jacrev(fn))(x)
+            np.testing.assert_array_equal(
+                jax.jit(graphax_eqx.jacve(fn, order=order))(x), expected
+            )
+            sparse = graphax_eqx.jacve(fn, order=order, sparse_representation=True)
+            np.testing.assert_array_equal(jax.jit(sparse)(x).dense(), expected)
+        # Batched, as in a training step: a gradient through the pooling.
+        w = jnp.asarray(
+            rng.normal(
+                size=jax.eval_shape(jax.vmap(pool), jnp.zeros((4,) + shape)).shape
+            )
+        )
+
+        def loss(x, pool=pool):
+            return jnp.sum(w * jnp.tanh(jax.vmap(pool)(jnp.cos(x))))
+
+        xb = _uniform((4,) + shape)
+        grad = graphax_eqx.jacve(loss, order=order)
+        expected = jax.jit(jax.grad(loss))(xb)
+        _assert_close(jax.jit(grad)(xb), expected, rtol=1e-6, atol=1e-6)
+        if order == "rev" and exact:
+            prims = {e.primitive.name for e in jax.make_jaxpr(grad)(xb).jaxpr.eqns}
+            assert "gather" not in prims
 
 
 @pytest.mark.parametrize("order", ["fwd", "rev"])

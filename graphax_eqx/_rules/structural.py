@@ -621,6 +621,10 @@ def _reduce_window_sum(primals, active, **params):
     return [out], {(0, 0): from_entries(out_shape, in_shape, rows, cols, out.dtype)}
 
 
+# Windows of at most this many entries are folded step by step.
+_UNROLLED_WINDOW = 16
+
+
 def _chosen_in_windows(windows: Array) -> Array:
     """The position each window (last axis, row-major window order) takes, as
     `jax.jacrev` takes it for a windowed maximum: a fold that keeps the entry held
@@ -628,6 +632,16 @@ def _chosen_in_windows(windows: Array) -> Array:
     keep the first; a NaN is taken when met and given up for the entry after it, so
     the fold ends on the first maximum after the last NaN (or on a final NaN)."""
     k = windows.shape[-1]
+    if k <= _UNROLLED_WINDOW:
+        # The fold itself, one elementwise step per entry: XLA fuses it into one pass.
+        held = lax.index_in_dim(windows, 0, windows.ndim - 1, keepdims=False)
+        at = jnp.zeros(held.shape, np.int32)
+        for j in range(1, k):
+            entry = lax.index_in_dim(windows, j, windows.ndim - 1, keepdims=False)
+            take = lax.bitwise_not(lax.ge(held, entry))
+            held = lax.select(take, entry, held)
+            at = lax.select(take, lax.full_like(at, j), at)
+        return at[..., None]
     place = lax.broadcasted_iota(np.int32, windows.shape, windows.ndim - 1)
     last_nan = jnp.max(jnp.where(jnp.isnan(windows), place, -1), -1, keepdims=True)
     after = place > last_nan
@@ -665,9 +679,13 @@ def _window_chooser_rule(prim, sign):
         k = math.prod(params["window_dimensions"])
         slot = np.full(p.n_out_free * k, p.nnz, np.int64)
         slot[p.rows * k + window] = np.arange(p.nnz)
-        low = jnp.full(p.tie_sizes + (1,), -jnp.inf, xs.dtype)
-        padded = lax.concatenate([sign * xs, low], xs.ndim - 1)
-        windows = _take_last(padded, slot).reshape(p.tie_sizes + (p.n_out_free, k))
+        signed = xs if sign > 0 else lax.neg(xs)
+        if np.all(slot < p.nnz):  # no padding or holes: every window is full
+            windows = _take_last(signed, slot)
+        else:
+            low = jnp.full(p.tie_sizes + (1,), -jnp.inf, xs.dtype)
+            windows = _take_last(lax.concatenate([signed, low], xs.ndim - 1), slot)
+        windows = windows.reshape(p.tie_sizes + (p.n_out_free, k))
         taken = _chosen_in_windows(windows).reshape(p.tie_sizes + (p.n_out_free,))
         chosen = _take_last(taken, p.rows) == jnp.asarray(window, taken.dtype)
         val = chosen.astype(out.dtype)
