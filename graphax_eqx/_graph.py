@@ -132,15 +132,15 @@ def inline(closed_jaxpr) -> Program:
     return split_tiled_windows(realify(program))
 
 
-_CHOOSERS = (lax.reduce_window_max_p, lax.reduce_window_min_p)
+_POOLINGS = (lax.reduce_window_max_p, lax.reduce_window_min_p, lax.reduce_window_sum_p)
 
 
 def _tiling(eqn: Eqn, avals) -> tuple[int, ...] | None:
-    """The window of a windowed maximum or minimum whose windows tile its input
+    """The window of a windowed maximum, minimum or sum whose windows tile its input
     (no padding or dilation, strides equal to the window, a remainder at the end of
     an axis dropped), if some axis then holds more than one window of more than one
     entry; else `None`."""
-    if eqn.prim not in _CHOOSERS or isinstance(eqn.invars[0], Lit):
+    if eqn.prim not in _POOLINGS or isinstance(eqn.invars[0], Lit):
         return None
     shape, dtype = avals[eqn.invars[0]]
     if not jnp.issubdtype(dtype, jnp.floating):
@@ -190,13 +190,15 @@ def _split_windows(prim, params, window, shape):
 
 
 def split_tiled_windows(program: Program) -> Program:
-    """Max and min pooling over windows that tile the input, rewritten to reduce
-    over axes split off the pooled ones (`(…, h, …)` → `(…, h / k, k, …)`).
+    """Max, min and average pooling over windows that tile the input, rewritten to
+    reduce over axes split off the pooled ones (`(…, h, …)` → `(…, h / k, k, …)`).
 
-    The result is the same, and the choice of entry too (the window's row-major
-    order is kept), but the pooled axes become ties of the local Jacobian: a product
-    with it is a broadcast multiply along them instead of a gather per entry, and the
-    splitting reshape is an index map that moves nothing.
+    The pooled axes become ties of the local Jacobian: a product with it is a
+    broadcast multiply along them instead of a gather per entry, and the splitting
+    reshape is an index map that moves nothing. A maximum or minimum is the same,
+    and so is the entry it takes (the window's row-major order is kept); a windowed
+    sum may round differently in its last bit, as XLA may add a window's entries in
+    another order.
     """
     if not any(_tiling(e, program.avals) is not None for e in program.eqns):
         return program

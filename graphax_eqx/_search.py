@@ -124,7 +124,10 @@ def elimination_cost(
 
     The graph is built abstractly (`jax.eval_shape`) and the order is simulated on
     the partials' sparsity patterns alone, with the same plans the engine runs, so the
-    counts equal those of `jacve(fun, order, argnums, count_ops=True)`.
+    counts equal those of `jax.jit(jacve(fun, order, argnums, count_ops=True))`. An
+    eager call of `jacve` can count differently (usually fewer) where indices are
+    computed at run time (an integer argument, an `argsort`): it reads them as fixed
+    index maps.
 
     **Arguments:**
 
