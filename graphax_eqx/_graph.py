@@ -7,7 +7,9 @@ differentiated input, or that no output depends on, are pruned. Each output gets
 output vertex of its own, joined to its variable by an identity edge, so every
 original variable is an intermediate that an order may eliminate. Complex variables
 are split into pairs of real ones ([`graphax_eqx._complex.realify`][]), so every vertex
-is real.
+is real. Max, min and average pooling over windows that tile their input are split
+into a reshape and a reduction over the split-off axes
+([`graphax_eqx._graph.split_tiled_windows`][]).
 """
 
 from __future__ import annotations
@@ -215,6 +217,7 @@ def split_tiled_windows(program: Program) -> Program:
         shape, dtype = avals[x]
         fn = _split_windows(eqn.prim, eqn.params, window, shape)
         closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(shape, dtype))
+        assert not closed.jaxpr.constvars
         env: dict[Any, Atom] = {closed.jaxpr.invars[0]: x}
         for sub in closed.jaxpr.eqns:
             ins = tuple(
