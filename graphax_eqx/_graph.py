@@ -202,8 +202,6 @@ def split_tiled_windows(program: Program) -> Program:
     sum may round differently in its last bit, as XLA may add a window's entries in
     another order.
     """
-    if not any(_tiling(e, program.avals) is not None for e in program.eqns):
-        return program
     avals = dict(program.avals)
     fresh = iter(range(max(avals, default=-1) + 1, 1 << 62))
     eqns: list[Eqn] = []
@@ -230,6 +228,8 @@ def split_tiled_windows(program: Program) -> Program:
                 env[v] = vid
                 outs.append(vid)
             eqns.append(Eqn(sub.primitive, dict(sub.params), ins, tuple(outs)))
+    if len(eqns) == len(program.eqns):  # nothing split: every equation kept
+        return program
     return dataclasses.replace(program, eqns=tuple(eqns), avals=avals)
 
 
