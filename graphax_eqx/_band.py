@@ -371,18 +371,18 @@ def band_product_plan(pa: Any, pb: Any) -> BandProductPlan | None:
     return BandProductPlan(result, muls, ba, bb, tuple(terms))
 
 
-def _shifted_rows(val: Array, shift: int, n: int) -> Array:
-    """`val[:, shift + r]` for `r` in `0..n-1`, zero where out of range."""
-    rows = val.shape[1]
-    lo, hi = shift, shift + n
-    pad_lo, pad_hi = max(0, -lo), max(0, hi - rows)
+def _window(val: Array, lo: int, hi: int, shift: int, n: int) -> Array:
+    """`val[lo:hi, shift + r]` for `r` in `0..n-1`, zero where out of range: a slice,
+    padded with zeros where it leaves `val`."""
+    rows, cols = val.shape
+    start, stop = max(0, shift), min(cols, shift + n)
+    if (lo, hi, start, stop) != (0, rows, 0, cols):
+        val = lax.slice(val, (lo, start), (hi, stop))
+    pad_lo, pad_hi = start - shift, shift + n - stop
     if pad_lo or pad_hi:
         zero = lax.full((), 0, val.dtype)
         val = lax.pad(val, zero, ((0, 0, 0), (pad_lo, pad_hi, 0)))
-    start = lo + pad_lo
-    if start == 0 and val.shape[1] == n:
-        return val
-    return lax.slice_in_dim(val, start, start + n, axis=1)
+    return val
 
 
 def _contiguous(at: list[int]) -> bool:
@@ -415,31 +415,37 @@ def band_product(a, b, plan: BandProductPlan, dtype):
         # One diagonal of A (an elementwise partial or a shift): every diagonal of B
         # at once, as one broadcast multiply.
         da = plan.band_a.offsets[0]
-        block = va[0][None, :] * _shifted_rows(vb[kbs[0] : kbs[-1] + 1], da, n)
+        lo, hi = kbs[0], kbs[-1] + 1
+        block = _window(va, 0, 1, 0, n) * _window(vb, lo, hi, da, n)
         if masked:
-            hit = jnp.logical_and(
-                la[0][None, :], _shifted_rows(lb[kbs[0] : kbs[-1] + 1], da, n)
-            )
+            hit = lax.bitwise_and(_window(la, 0, 1, 0, n), _window(lb, lo, hi, da, n))
             block = lax.select(hit, block, lax.full_like(block, 0))
             live = _place(hit, kcs, n_c)
         val = _place(block, kcs, n_c)
     else:
+        # Rows are kept as `(1, n)` arrays, each taken by one pad of its operand.
         acc: dict[int, Array] = {}
         hits: dict[int, Array] = {}
+        rows_a: dict[int, Array] = {}
+        live_a: dict[int, Array] = {}
         for ka, kb, kc in plan.terms:
             # Entry (r, r + da) of A meets row r + da of B's diagonal kb.
             da = plan.band_a.offsets[ka]
-            term = va[ka] * _shifted_rows(vb[kb : kb + 1], da, n)[0]
+            if ka not in rows_a:
+                rows_a[ka] = _window(va, ka, ka + 1, 0, n)
+            term = rows_a[ka] * _window(vb, kb, kb + 1, da, n)
             if masked:
-                hit = lax.bitwise_and(la[ka], _shifted_rows(lb[kb : kb + 1], da, n)[0])
+                if ka not in live_a:
+                    live_a[ka] = _window(la, ka, ka + 1, 0, n)
+                hit = lax.bitwise_and(live_a[ka], _window(lb, kb, kb + 1, da, n))
                 term = lax.select(hit, term, lax.full_like(term, 0))
                 hits[kc] = hit if kc not in hits else lax.bitwise_or(hits[kc], hit)
             acc[kc] = term if kc not in acc else acc[kc] + term
-        zeros = jnp.zeros((n,), dtype)
-        val = jnp.stack([acc.get(k, zeros) for k in range(n_c)])
+        zeros = lax.full((1, n), 0, dtype)
+        val = lax.concatenate([acc.get(k, zeros) for k in range(n_c)], 0)
         if masked:
-            dead = jnp.zeros((n,), bool)
-            live = jnp.stack([hits.get(k, dead) for k in range(n_c)])
+            dead = lax.full((1, n), False, jnp.dtype(bool))
+            live = lax.concatenate([hits.get(k, dead) for k in range(n_c)], 0)
     # Slots off the exact pattern stay exactly zero, as coordinates would leave them
     # (a term reaches them only through a zero slot of an operand, which is not a
     # zero against an infinite partial).
