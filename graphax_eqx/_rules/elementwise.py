@@ -206,7 +206,31 @@ def _integer_pow_derivative(primals, out, i, params):
     return y * lax.integer_pow(x, y - 1)
 
 
+def _chooser_derivative(first):
+    """`∂max(x, y)/∂x_i` (`first`: `x > y` picks `x`, for `max`) or `min`'s: one
+    where operand `i` is chosen, one half at a tie, zero where the other is chosen or
+    either is NaN, as JAX's rule gives.
+
+    JAX's rule finds the chosen operand by comparing each operand with the result.
+    XLA may compute an operand anew inside every kernel that reads it, contracting
+    `a * b + c` into a fused multiply-add in one kernel and not in another, so the
+    operand it compares can differ from the one the result was taken from by a
+    rounding, far from any tie, and the derivative would vanish. Comparing the
+    operands with each other needs no result.
+    """
+
+    def derivative(primals, out, i, params):
+        x, y = primals[i], primals[1 - i]
+        wins = first(x, y)
+        val = jnp.where(wins, 1.0, jnp.where(x == y, 0.5, 0.0))
+        return _full(val.astype(out.dtype), out)
+
+    return derivative
+
+
 _formulas = {
+    lax.max_p: _chooser_derivative(lambda x, y: x > y),
+    lax.min_p: _chooser_derivative(lambda x, y: x < y),
     lax.mul_p: lambda p, out, i, _: _full(p[1 - i], out),
     lax.div_p: lambda p, out, i, _: _full(1 / p[1] if i == 0 else -(out / p[1]), out),
     lax.sin_p: lambda p, out, i, _: jnp.cos(p[0]),
