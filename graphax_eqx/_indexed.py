@@ -186,13 +186,13 @@ class CooTensor(BlockShape, eqx.Module):
 
     Under `jax.vmap` the value array (and mask) gain the mapped axes in front, and
     `.dense()` and `.to_bcoo()` (a BCOO with as many batch dimensions) return them,
-    as `jax.vmap(jax.jacfwd(f))` would. A block without values (`val is None`, a pure
-    index map) is the same for every mapped element and has no mapped axes.
+    as `jax.vmap(jax.jacfwd(f))` would. (A result always stores its values, ones for
+    a pure index map, so that every leaf gains the mapped axes.)
 
     **Attributes:**
 
-    - `val`: `None` when every stored entry is exactly one, else an array of shape
-        `(size of each varying tie..., nnz)`.
+    - `val`: an array of shape `(size of each varying tie..., nnz)`, or `None` when
+        every stored entry is exactly one (inside the elimination, never in a result).
     - `pattern`: the static `graphax_eqx._indexed.CooPattern`.
     - `dtype`: the dtype of the Jacobian.
     - `mask`: `None`, or a boolean array shaped like `val` marking selected-away

@@ -375,17 +375,32 @@ def _zero_block(out_shape, in_shape, dtype, sparse):
 
 
 def _block(edge, dtype, sparse):
+    """A Jacobian leaf from the edge `input → output`.
+
+    A sparse leaf always stores its values, ones included: `jax.vmap` gives a
+    batched result only to leaves holding arrays, and a pure index map, the same for
+    every mapped element, would otherwise come out without the mapped axes that
+    `jax.vmap(jax.jacfwd(f))` has.
+    """
     if isinstance(edge, BandTensor):
         edge = to_result_coo(edge)
     if isinstance(edge, CooTensor):
         if sparse:
-            val = None if edge.val is None else edge.val.astype(dtype)
+            if edge.val is None:
+                assert not any(edge.pattern.varying)
+                val = jnp.ones((edge.pattern.nnz,), dtype)
+            else:
+                val = edge.val.astype(dtype)
             return CooTensor(val, edge.pattern, jnp.dtype(dtype), edge.mask)
         return edge.dense().astype(dtype)
     st = to_sparse(edge) if isinstance(edge, LinearMap) else edge
     assert isinstance(st, SparseTensor)
     if sparse:
-        val = None if st.val is None else st.val.astype(dtype)
+        if st.val is None:
+            assert not st.pattern.val_labels
+            val = jnp.ones((), dtype)
+        else:
+            val = st.val.astype(dtype)
         return SparseTensor(val, st.pattern, jnp.dtype(dtype))
     return st.dense().astype(dtype)
 

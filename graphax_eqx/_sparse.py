@@ -247,8 +247,8 @@ class SparseTensor(BlockShape, eqx.Module):
 
     Under `jax.vmap` the value array (and mask) gain the mapped axes in front, and
     `.dense()` and `.to_bcoo()` (a BCOO with as many batch dimensions) return them,
-    as `jax.vmap(jax.jacfwd(f))` would. A block without values (`val is None`, a pure
-    index map) is the same for every mapped element and has no mapped axes.
+    as `jax.vmap(jax.jacfwd(f))` would. (A result always stores its values, a
+    scalar one for an identity, so that every leaf gains the mapped axes.)
 
     Each axis of the full Jacobian carries a label. Axes that share a label are tied by
     a Kronecker delta; labels listed in `pattern.val_labels` index the value array;

@@ -128,6 +128,11 @@ def _elementwise(x):
         (_selected, (3, 6), 1),
         (_elementwise, (4, 5), 1),
         (_elementwise, (4,), 1),
+        # Pure index maps and identities: the same Jacobian for every element.
+        (lambda x: x + 1.0, (3, 4), 1),
+        (lambda x: x[1:3], (3, 4), 1),
+        (lambda x: jnp.pad(x[::-1], 1), (3, 4), 1),
+        (lambda x: jnp.roll(x, 2).reshape(2, 2).T, (2, 3, 4), 2),
     ],
 )
 def test_sparse_results_under_vmap(fun, shape, depth, order):
