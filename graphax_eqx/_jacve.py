@@ -240,12 +240,13 @@ def _analysis(program: Program, diff_mask, num_out: int) -> _Analysis:
     return found
 
 
-def _trace(fun, treedef, leaves, diff_mask, has_aux, name) -> _Traced:
-    """Trace `fun` on `leaves`, keeping their dtypes, weak types and shardings."""
+def _trace(fun, rebuild, leaves, diff_mask, has_aux, name) -> _Traced:
+    """Trace `fun` on `leaves`, keeping their dtypes, weak types and shardings;
+    `rebuild(leaves)` gives `fun`'s positional and keyword arguments."""
     store = {}
 
     def flat_fun(*flat):
-        args, kwargs = jtu.tree_unflatten(treedef, flat)
+        args, kwargs = rebuild(flat)
         res = fun(*args, **kwargs)
         if has_aux:
             if not (isinstance(res, (tuple, list)) and len(res) == 2):
@@ -313,29 +314,39 @@ class _Prepared:
 
 
 def _prepare(fun, args, kwargs, argnums, has_aux, name) -> _Prepared:
+    """Check the arguments and trace `fun` on them.
+
+    As in `jax.jacrev`, only the differentiated arguments are traced: the others and
+    the keyword arguments reach `fun` as they were passed (a Python integer stays one,
+    so it can size a loop or a shape), and arrays among them are closed over.
+    """
     argnums = _check_argnums(argnums, len(args), name)
     arg_trees, arg_offsets = [], []
     leaves, offset = [], 0
     for k, arg in enumerate(args):
+        arg_offsets.append(offset)
+        if k not in argnums:
+            arg_trees.append(None)
+            continue
         arg_leaves, arg_tree = jtu.tree_flatten(arg)
         where = f"a leaf of argument {k}"
         arg_leaves = [_as_array(x, where, name) for x in arg_leaves]
-        if k in argnums:
-            for x in arg_leaves:
-                _check_differentiable(x, k, name)
+        for x in arg_leaves:
+            _check_differentiable(x, k, name)
         arg_trees.append(arg_tree)
-        arg_offsets.append(offset)
         offset += len(arg_leaves)
         leaves.extend(arg_leaves)
-    kw_leaves, kw_tree = jtu.tree_flatten(kwargs)
-    leaves.extend(_as_array(x, "a keyword argument", name) for x in kw_leaves)
-    treedef = jtu.tree_structure((tuple(args), kwargs))
-    diff_mask = [False] * len(leaves)
-    for k in argnums:
-        n = arg_trees[k].num_leaves
-        for j in range(arg_offsets[k], arg_offsets[k] + n):
-            diff_mask[j] = True
-    traced = _trace(fun, treedef, leaves, diff_mask, has_aux, name)
+
+    def rebuild(flat):
+        rebuilt = list(args)
+        for k in argnums:
+            start = arg_offsets[k]
+            stop = start + arg_trees[k].num_leaves
+            rebuilt[k] = jtu.tree_unflatten(arg_trees[k], flat[start:stop])
+        return rebuilt, kwargs
+
+    diff_mask = [True] * len(leaves)
+    traced = _trace(fun, rebuild, leaves, diff_mask, has_aux, name)
     return _Prepared(traced, leaves, argnums, arg_trees, arg_offsets)
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.extend.core as jex_core
 import jax.extend.linear_util as jex_lu
 from jax import lax
-from jax._src import mesh as _mesh_lib, sharding_impls as _sharding_impls
+from jax._src import core as _core, mesh as _mesh_lib, sharding_impls as _sharding_impls
 from jax._src.lax import lax as _lax_internal
 from jax.core import Tracer as Tracer
 from jax.extend.core import primitives as jex_prims
@@ -513,3 +513,27 @@ def custom_rule_functions(params: dict[str, Any]) -> tuple:
         if name in params:
             walk(params[name], 0)
     return tuple(found)
+
+
+def stale_closure(params: dict, num_tangents: int) -> bool:
+    """Whether the JVP rule of a `custom_jvp_call` with `params` closes over a tracer
+    of a trace that has ended (an argument in `nondiff_argnums` computed while the
+    function was traced). Traces the rule (JAX memoises it)."""
+    thunk = params.get("jvp_jaxpr_fun")
+    if thunk is None:
+        return False
+    try:
+        _, consts, _ = thunk.call_wrapped(*([False] * num_tangents))
+    except jax.errors.UnexpectedTracerError:
+        return True
+    except Exception:  # the rule fails on its own; leave that to its caller
+        return False
+    live = set()
+    trace = _core.trace_ctx.trace
+    while trace is not None:
+        live.add(id(trace))
+        trace = getattr(trace, "parent_trace", None)
+    return any(
+        isinstance(c, Tracer) and id(getattr(c, "_trace", None)) not in live
+        for c in consts
+    )

@@ -9,7 +9,7 @@ import pytest
 
 import graphax_eqx as gx
 
-from .helpers import tree_allclose as _tree_allclose
+from .helpers import assert_tree_matches, tree_allclose as _tree_allclose
 
 
 def tree_allclose(a, b):
@@ -140,6 +140,32 @@ def test_constant_scaled_identity_is_shown_as_such():
     assert "identity" in repr(st)
 
 
-def test_string_argument_is_an_argument_problem():
+def test_string_in_a_differentiated_argument_is_an_argument_problem():
     with pytest.raises(TypeError, match="leaf of argument 1 of type str"):
-        gx.jacve(lambda x, y: x)(_X, "b")
+        gx.jacve(lambda x, y: x * y[0], argnums=1)(_X, (1.0, "b"))
+
+
+def test_arguments_not_differentiated_reach_the_function_as_passed():
+    # As with `jax.jacrev`: Python numbers stay Python numbers (they can size a loop
+    # or a shape), strings and other objects pass through, keyword arguments too.
+    def f(x, n, shape, flag, scale=1.0, label="a"):
+        for _ in range(n):
+            x = jnp.sin(x) * x
+        x = x.reshape(shape) if flag else x
+        return x * scale * len(label) + jnp.arange(shape[0])[:, None]
+
+    x = jnp.linspace(0.2, 0.9, 4)
+    args = (x, 3, (2, 2), True)
+    kwargs = {"scale": 0.5, "label": "abc"}
+    expected = jax.jacrev(f)(*args, **kwargs)
+    for order in ("fwd", "rev", "markowitz"):
+        got = gx.jacve(f, order=order)(*args, **kwargs)
+        assert_tree_matches(got, expected)
+        jitted = jax.jit(gx.jacve(f, order=order), static_argnums=(1, 2, 3, 4, 5))
+        assert_tree_matches(jitted(*args, *kwargs.values()), expected)
+    # A closed-over array argument is read anew on every call.
+    g = lambda x, w: jnp.tanh(w * x)
+    jac = gx.jacve(g)
+    for w in (1.0, 2.0, 3.0):
+        wa = jnp.full(4, w)
+        assert_tree_matches(jac(x, wa), jax.jacrev(g)(x, wa))

@@ -23,6 +23,7 @@ import graphax_eqx as gx
 
 from .helpers import (
     assert_matches_references,
+    assert_tree_matches,
     check_jacve,
     doubled_sin,
     reference_jacobians,
@@ -737,3 +738,27 @@ def test_rules_are_decided_per_static_argument():
     np.testing.assert_allclose(gx.jacve(linear)(x), jax.jacrev(linear)(x), rtol=1e-6)
     with pytest.raises(ValueError, match="scaled_or_clipped.*not linear"):
         gx.jacve(clipping)(x)
+
+
+def test_custom_jvp_closing_over_a_traced_argument_is_a_clear_error():
+    # A `nondiff_argnums` argument computed inside the function is closed over by
+    # the JVP rule; once the function is traced that value no longer exists.
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+    def scaled_sin(k, x):
+        return jnp.sin(x) * k
+
+    @scaled_sin.defjvp
+    def _(k, primals, tangents):
+        (x,), (t,) = primals, tangents
+        return scaled_sin(k, x), jnp.cos(x) * k * t
+
+    x = jnp.array([0.1, 0.2, 0.3])
+    k = jnp.array([1.0, 2.0, 3.0])
+    # A concrete `k` (closed over, or an argument that is not differentiated) works.
+    expected = jax.jacrev(lambda x: scaled_sin(k, x))(x)
+    assert_tree_matches(gx.jacve(lambda x: scaled_sin(k, x))(x), expected)
+    assert_tree_matches(gx.jacve(lambda x, k: scaled_sin(k, x))(x, k), expected)
+    with pytest.raises(TypeError, match="nondiff_argnums"):
+        gx.jacve(lambda x: scaled_sin(2.0 * x, x))(x)
+    with pytest.raises(TypeError, match="nondiff_argnums"):
+        jax.jit(gx.jacve(lambda x, k: scaled_sin(k, x)))(x, k)

@@ -489,7 +489,40 @@ def _nonlinear_error(prim, params, use_vjp: bool, name: str) -> ValueError:
     )
 
 
+def _stale_value_error(params, use_vjp: bool) -> TypeError:
+    closed = params.get("call_jaxpr")
+    debug = getattr(getattr(closed, "jaxpr", closed), "debug_info", None)
+    where = getattr(debug, "func_src_info", None)
+    which = f"`{where}`" if where else "a function"
+    kind = "custom_vjp" if use_vjp else "custom_jvp"
+    return TypeError(
+        f"The {kind} rule of {which} reads a value computed while the function was "
+        "traced (typically an array argument it declares in `nondiff_argnums`, which "
+        "JAX closes over). Vertex elimination runs custom rules after tracing, when "
+        "that value no longer exists (JAX's own transforms of a traced-out program "
+        "fail the same way). Pass a concrete value for that argument (a NumPy array "
+        "or a Python number, not computed from the inputs and not a `jax.jit` "
+        "argument), or differentiate this function with `jax.jacfwd`/`jax.jacrev`."
+    )
+
+
 def _custom_rule(prim, use_vjp):
+    rule = _custom_rule_body(prim, use_vjp)
+
+    def checked(primals, active, **params):
+        if not use_vjp and jp.stale_closure(
+            params, len(primals) - params.get("num_consts", 0)
+        ):
+            raise _stale_value_error(params, use_vjp)
+        try:
+            return rule(primals, active, **params)
+        except jax.errors.UnexpectedTracerError as e:
+            raise _stale_value_error(params, use_vjp) from e
+
+    return checked
+
+
+def _custom_rule_body(prim, use_vjp):
     # Dense modes: JAX defines a custom_jvp's Jacobian by its JVP rule on basis
     # tangents (`jax.jacfwd`), and a custom_vjp has only its VJP.
     modes = ("rev",) if use_vjp else ("fwd", "rev")
