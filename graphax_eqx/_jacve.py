@@ -1110,7 +1110,9 @@ def jacve(
         positional arguments to differentiate. Their leaves must be real
         floating-point arrays. As for `jax.jacrev`, the result holds a tuple over
         arguments unless `argnums` is a Python `int` (a NumPy integer gives a
-        1-tuple).
+        1-tuple). The other positional arguments and the keyword arguments reach
+        `fun` as they were passed, as with `jax.jacrev`: a Python integer can size a
+        loop or a shape, and any object can be passed.
     - `has_aux`: if `True`, `fun` returns `(output, aux)`; the result is
         `(jacobian, aux)`.
     - `count_ops`: if `True`, the result becomes `(result, counts)`, with `counts` a
