@@ -423,7 +423,7 @@ def band_product(a, b, plan: BandProductPlan, dtype):
             live = _place(hit, kcs, n_c)
         val = _place(block, kcs, n_c)
     else:
-        # Rows are kept as `(1, n)` arrays, each taken by one pad of its operand.
+        # Rows are kept as `(1, n)` arrays; A's are taken once per diagonal.
         acc: dict[int, Array] = {}
         hits: dict[int, Array] = {}
         rows_a: dict[int, Array] = {}

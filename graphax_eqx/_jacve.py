@@ -240,9 +240,10 @@ def _analysis(program: Program, diff_mask, num_out: int) -> _Analysis:
     return found
 
 
-def _trace(fun, rebuild, leaves, diff_mask, has_aux, name) -> _Traced:
-    """Trace `fun` on `leaves`, keeping their dtypes, weak types and shardings;
-    `rebuild(leaves)` gives `fun`'s positional and keyword arguments."""
+def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
+    """Trace `fun` on `leaves` (every one differentiated), keeping their dtypes, weak
+    types and shardings; `rebuild(leaves)` gives `fun`'s positional and keyword
+    arguments."""
     store = {}
 
     def flat_fun(*flat):
@@ -284,7 +285,7 @@ def _trace(fun, rebuild, leaves, diff_mask, has_aux, name) -> _Traced:
     program = inline(closed)
     return _Traced(
         program,
-        _analysis(program, diff_mask, store["num_out"]),
+        _analysis(program, [True] * len(leaves), store["num_out"]),
         store["out_tree"],
         store["aux_tree"],
         store["num_out"],
@@ -345,8 +346,7 @@ def _prepare(fun, args, kwargs, argnums, has_aux, name) -> _Prepared:
             rebuilt[k] = jtu.tree_unflatten(arg_trees[k], flat[start:stop])
         return rebuilt, kwargs
 
-    diff_mask = [True] * len(leaves)
-    traced = _trace(fun, rebuild, leaves, diff_mask, has_aux, name)
+    traced = _trace(fun, rebuild, leaves, has_aux, name)
     return _Prepared(traced, leaves, argnums, arg_trees, arg_offsets)
 
 

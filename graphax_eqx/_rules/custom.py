@@ -471,10 +471,16 @@ def _carried(body, active: list[bool], n_consts: int, n_carry: int) -> list[bool
         active[n_consts : n_consts + n_carry] = new
 
 
-def _nonlinear_error(prim, params, use_vjp: bool, name: str) -> ValueError:
+def _rule_location(params) -> str | None:
+    """Where the function of a custom-derivative call is defined: "name at
+    file:line"."""
     closed = params.get("call_jaxpr")
     debug = getattr(getattr(closed, "jaxpr", closed), "debug_info", None)
-    where = getattr(debug, "func_src_info", None)  # "name at file:line"
+    return getattr(debug, "func_src_info", None)
+
+
+def _nonlinear_error(prim, params, use_vjp: bool, name: str) -> ValueError:
+    where = _rule_location(params)
     kind = "custom_vjp" if use_vjp else "custom_jvp"
     seed = "cotangent" if use_vjp else "tangent"
     which = f"`{where}`" if where else "a function"
@@ -490,9 +496,7 @@ def _nonlinear_error(prim, params, use_vjp: bool, name: str) -> ValueError:
 
 
 def _stale_value_error(params, use_vjp: bool) -> TypeError:
-    closed = params.get("call_jaxpr")
-    debug = getattr(getattr(closed, "jaxpr", closed), "debug_info", None)
-    where = getattr(debug, "func_src_info", None)
+    where = _rule_location(params)
     which = f"`{where}`" if where else "a function"
     kind = "custom_vjp" if use_vjp else "custom_jvp"
     return TypeError(
