@@ -646,8 +646,13 @@ def _chosen_in_windows(windows: Array) -> Array:
     last_nan = jnp.max(jnp.where(jnp.isnan(windows), place, -1), -1, keepdims=True)
     after = place > last_nan
     low = jnp.array(-jnp.inf, windows.dtype)
-    top = jnp.max(jnp.where(after, windows, low), -1, keepdims=True)
-    first = jnp.argmax(after & (windows == top), -1, keepdims=True)
+    # One reduction finds the first maximum after the last NaN. Nothing is compared
+    # with a maximum computed apart: XLA may recompute an entry in another kernel,
+    # rounded differently (a fused multiply-add), and no entry would equal it.
+    first = jnp.argmax(jnp.where(after, windows, low), -1, keepdims=True)
+    # Where every entry after the last NaN is -inf, the masked positions tie with
+    # them and come first: the first entry after the NaN is the one held.
+    first = jnp.where(first > last_nan, first, last_nan + 1)
     return jnp.where(last_nan == k - 1, k - 1, first)
 
 
