@@ -116,7 +116,10 @@ def inline(closed_jaxpr) -> Program:
                 outs.append(vid)
                 if not isinstance(var, jp.DropVar):
                     env[var] = vid
-            eqns.append(Eqn(eqn.primitive, dict(eqn.params), tuple(ins), tuple(outs)))
+            params = dict(eqn.params)
+            if eqn.primitive is jp.custom_jvp_call_p:
+                params = jp.remember_const_operands(params, eqn.invars)
+            eqns.append(Eqn(eqn.primitive, params, tuple(ins), tuple(outs)))
         return [read(v) for v in jaxpr.outvars]
 
     jaxpr = closed_jaxpr.jaxpr

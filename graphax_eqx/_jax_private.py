@@ -487,7 +487,9 @@ def custom_rule_functions(params: dict[str, Any]) -> tuple:
         if depth > 8 or id(obj) in seen:
             return
         seen.add(id(obj))
-        if hasattr(obj, "f") and hasattr(obj, "transforms"):  # a WrappedFun
+        if isinstance(obj, _ConstOperands):
+            walk(obj.thunk, depth + 1)
+        elif hasattr(obj, "f") and hasattr(obj, "transforms"):  # a WrappedFun
             walk(obj.f, depth + 1)
             # Static arguments bound to the rule (`nondiff_argnums`) change what it
             # computes without changing its functions.
@@ -513,6 +515,91 @@ def custom_rule_functions(params: dict[str, Any]) -> tuple:
         if name in params:
             walk(params[name], 0)
     return tuple(found)
+
+
+class _ConstOperands:
+    """The JVP-rule thunk of a `custom_jvp_call` equation, with the variables that
+    its const operands (the values the function closes over, `nondiff_argnums`
+    among them) had in the jaxpr it was traced into."""
+
+    def __init__(self, thunk, const_vars: tuple):
+        self.thunk = thunk
+        self.const_vars = const_vars
+
+    def __call__(self, *zeros):
+        return self.thunk.call_wrapped(*zeros)
+
+
+def remember_const_operands(params: dict, invars) -> dict:
+    """`params` of a `custom_jvp_call` equation whose operands are `invars` (jaxpr
+    variables), remembering which variables its const operands were, for
+    `rebind_const_operands`."""
+    num_consts = params.get("num_consts", 0)
+    thunk = params.get("jvp_jaxpr_fun")
+    if not num_consts or not isinstance(thunk, jex_lu.WrappedFun):
+        return params
+    const_vars = tuple(
+        None if isinstance(v, _core.Literal) else v for v in invars[:num_consts]
+    )
+    wrapped = _ConstOperands(thunk, const_vars)
+    return dict(
+        params, jvp_jaxpr_fun=jex_lu.wrap_init(wrapped, debug_info=thunk.debug_info)
+    )
+
+
+def rebind_const_operands(params: dict) -> dict | None:
+    """`params` of a `custom_jvp_call` equation whose JVP rule closes over tracers of
+    the trace the equation was recorded in (an array in `nondiff_argnums`, traced
+    with the function), rewritten to read those values from the equation's operands.
+
+    The const operands become ordinary ones (`num_consts = 0`) whose tangents the
+    rule ignores, as JAX ignores the tangents of `nondiff_argnums`. `None` when the
+    thunk did not come through `remember_const_operands`."""
+    thunk = params.get("jvp_jaxpr_fun")
+    remembered = getattr(thunk, "f", None)
+    if not isinstance(remembered, _ConstOperands):
+        return None
+    const_vars = remembered.const_vars
+    num_consts = len(const_vars)
+    position = {id(v): k for k, v in enumerate(const_vars) if v is not None}
+
+    def made(*zeros):
+        jaxpr, consts, out_zeros = remembered.thunk.call_wrapped(*zeros[num_consts:])
+        binders: list = [None] * num_consts
+        constvars, kept = [], []
+        for var, value in zip(jaxpr.constvars, consts, strict=True):
+            k = position.get(id(getattr(value, "val", None)))
+            if isinstance(value, Tracer) and k is not None and binders[k] is None:
+                binders[k] = var  # the closed-over value is this operand
+            else:
+                constvars.append(var)
+                kept.append(value)
+        for k, var in enumerate(const_vars):
+            if binders[k] is None:
+                aval = var.aval if var is not None else None
+                if aval is None:
+                    aval = params["call_jaxpr"].in_avals[k]
+                binders[k] = _core.Var(aval)
+        tangents = [
+            _core.Var(b.aval.to_tangent_aval())
+            for b, zero in zip(binders, zeros[:num_consts], strict=True)
+            if not zero
+        ]
+        num_args = len(zeros) - num_consts
+        invars = jaxpr.invars
+        debug_info = jaxpr.debug_info
+        new = jaxpr.replace(
+            constvars=constvars,
+            invars=[*binders, *invars[:num_args], *tangents, *invars[num_args:]],
+            debug_info=debug_info and debug_info.with_unknown_names(),
+        )
+        return new, kept, out_zeros
+
+    return dict(
+        params,
+        num_consts=0,
+        jvp_jaxpr_fun=jex_lu.wrap_init(made, debug_info=thunk.debug_info),
+    )
 
 
 def stale_closure(params: dict, num_tangents: int) -> bool:

@@ -740,9 +740,13 @@ def test_rules_are_decided_per_static_argument():
         gx.jacve(clipping)(x)
 
 
-def test_custom_jvp_closing_over_a_traced_argument_is_a_clear_error():
-    # A `nondiff_argnums` argument computed inside the function is closed over by
-    # the JVP rule; once the function is traced that value no longer exists.
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "auto"])
+def test_custom_jvp_with_traced_nondiff_arguments(order):
+    """A `nondiff_argnums` argument that is traced (computed inside the function, or
+    a `jax.jit` argument) is closed over by the JVP rule, which JAX traced while
+    the function was; the rule reads it from the equation's operands instead, with
+    no derivative through it, as in `jax.jacfwd`."""
+
     @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
     def scaled_sin(k, x):
         return jnp.sin(x) * k
@@ -754,11 +758,49 @@ def test_custom_jvp_closing_over_a_traced_argument_is_a_clear_error():
 
     x = jnp.array([0.1, 0.2, 0.3])
     k = jnp.array([1.0, 2.0, 3.0])
-    # A concrete `k` (closed over, or an argument that is not differentiated) works.
-    expected = jax.jacrev(lambda x: scaled_sin(k, x))(x)
-    assert_tree_matches(gx.jacve(lambda x: scaled_sin(k, x))(x), expected)
-    assert_tree_matches(gx.jacve(lambda x, k: scaled_sin(k, x))(x, k), expected)
-    with pytest.raises(TypeError, match="nondiff_argnums"):
-        gx.jacve(lambda x: scaled_sin(2.0 * x, x))(x)
-    with pytest.raises(TypeError, match="nondiff_argnums"):
-        jax.jit(gx.jacve(lambda x, k: scaled_sin(k, x)))(x, k)
+    n = jnp.array([1, 2, 3])
+    cases = [
+        (lambda x: scaled_sin(2.0 * x, x), (x,), 0),
+        (lambda x: scaled_sin(jnp.sum(x), x) + x, (x,), 0),
+        (lambda x, k: scaled_sin(k, x), (x, k), 0),
+        (jax.scipy.special.expn, (n, x + 1.0), 1),
+        (lambda x: jax.scipy.special.expn(1 + (x > 0.15), x), (x,), 0),
+    ]
+    for f, args, argnums in cases:
+        expected = jax.jacfwd(f, argnums=argnums)(*args)
+        for sparse in (False, True):
+            jac = gx.jacve(
+                f, order=order, argnums=argnums, sparse_representation=sparse
+            )
+            for got in (jac(*args), jax.jit(jac)(*args)):
+                assert_tree_matches(got.dense() if sparse else got, expected)
+    # Mapped over a batch of `k`.
+    ks = jnp.stack([k, 2 * k])
+    xs = jnp.stack([x, x])
+    batched = jax.vmap(gx.jacve(lambda x, k: scaled_sin(k, x), order=order))(xs, ks)
+    assert_tree_matches(
+        batched, jax.vmap(jax.jacfwd(lambda x, k: scaled_sin(k, x)))(xs, ks)
+    )
+
+
+def test_custom_jvp_rule_closing_over_a_traced_value_is_a_clear_error():
+    # The rule closes over a value the function computed but does not pass it: it
+    # is no operand to read it from (and `jax.jacfwd` rejects such a rule too).
+    def f(x):
+        c = jnp.sum(x)
+
+        @jax.custom_jvp
+        def g(y):
+            return jnp.sin(y)
+
+        @g.defjvp
+        def _(primals, tangents):
+            return jnp.sin(primals[0]), jnp.cos(primals[0]) * tangents[0] * c
+
+        return g(x)
+
+    x = jnp.array([0.1, 0.2, 0.3])
+    with pytest.raises(TypeError, match="closes over a value computed"):
+        gx.jacve(f)(x)
+    with pytest.raises(TypeError, match="closes over a value computed"):
+        jax.jit(gx.jacve(f))(x)

@@ -500,13 +500,13 @@ def _stale_value_error(params, use_vjp: bool) -> TypeError:
     which = f"`{where}`" if where else "a function"
     kind = "custom_vjp" if use_vjp else "custom_jvp"
     return TypeError(
-        f"The {kind} rule of {which} reads a value computed while the function was "
-        "traced (typically an array argument it declares in `nondiff_argnums`, which "
-        "JAX closes over). Vertex elimination runs custom rules after tracing, when "
-        "that value no longer exists (JAX's own transforms of a traced-out program "
-        "fail the same way). Pass a concrete value for that argument (a NumPy array "
-        "or a Python number, not computed from the inputs and not a `jax.jit` "
-        "argument), or differentiate this function with `jax.jacfwd`/`jax.jacrev`."
+        f"The {kind} rule of {which} closes over a value computed while the "
+        "function was traced that is not one of the function's own arguments. "
+        "Vertex elimination runs custom rules after tracing, when such a value no "
+        "longer exists (JAX's own transforms reject such rules too, with an "
+        "`UnexpectedTracerError`). Pass the value to the function as an argument "
+        "(listed in `nondiff_argnums` if it is not to be differentiated) instead of "
+        "closing over it."
     )
 
 
@@ -517,7 +517,12 @@ def _custom_rule(prim, use_vjp):
         if not use_vjp and jp.stale_closure(
             params, len(primals) - params.get("num_consts", 0)
         ):
-            raise _stale_value_error(params, use_vjp)
+            # The rule reads values the function computed (`nondiff_argnums` arrays):
+            # where they are the equation's const operands, it reads them there.
+            rebound = jp.rebind_const_operands(params)
+            if rebound is None or jp.stale_closure(rebound, len(primals)):
+                raise _stale_value_error(params, use_vjp)
+            params = rebound
         try:
             return rule(primals, active, **params)
         except jax.errors.UnexpectedTracerError as e:
