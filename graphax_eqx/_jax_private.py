@@ -598,7 +598,7 @@ def rebind_const_operands(params: dict) -> dict | None:
     return dict(
         params,
         num_consts=0,
-        jvp_jaxpr_fun=jex_lu.wrap_init(made, debug_info=thunk.debug_info),
+        jvp_jaxpr_fun=jex_lu.wrap_init(made, debug_info=remembered.thunk.debug_info),
     )
 
 
