@@ -1,0 +1,144 @@
+"""Jacobians through the solvers of the Equinox ecosystem (diffrax, lineax,
+optimistix), against JAX's.
+
+These libraries define their derivatives by custom rules (implicit differentiation,
+checkpointed loops, custom linear solves), so they exercise the parts of the engine
+that the other tests reach only with programs written for them.
+"""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+
+import graphax_eqx as gx
+
+from .helpers import assert_tree_matches
+
+
+diffrax = pytest.importorskip("diffrax")
+lx = pytest.importorskip("lineax")
+optx = pytest.importorskip("optimistix")
+
+
+def _check(f, args, argnums, *, orders=("auto", "fwd"), rtol=1e-4, atol=1e-5):
+    """`jacve` of `f`, eagerly and under `jit` for the first order, under `jit`
+    for the others, against `jax.jacrev` (whose layout and dtypes `jacve` follows)
+    and, where it can differentiate `f`, `jax.jacfwd`."""
+    reference = jax.jacrev(f, argnums=argnums)(*args)
+    if "fwd" in orders:
+        forward = jax.jacfwd(f, argnums=argnums)(*args)
+        assert_tree_matches(forward, reference, check_dtype=False, rtol=rtol, atol=atol)
+    for k, order in enumerate(orders):
+        jac = gx.jacve(f, order=order, argnums=argnums)
+        calls = (jac, jax.jit(jac)) if k == 0 else (jax.jit(jac),)
+        for call in calls:
+            assert_tree_matches(
+                call(*args), reference, rtol=rtol, atol=atol, label=f"order={order}"
+            )
+
+
+def _y0():
+    return jnp.array([1.0, 0.5, -0.3], jnp.float32)
+
+
+def _adaptive_tsit5(y0, p):
+    def field(t, y, args):
+        return -args[0] * y + jnp.sin(args[1] * y[::-1])
+
+    solution = diffrax.diffeqsolve(
+        diffrax.ODETerm(field),
+        diffrax.Tsit5(),
+        t0=0.0,
+        t1=1.0,
+        dt0=0.1,
+        y0=y0,
+        args=p,
+        stepsize_controller=diffrax.PIDController(rtol=1e-5, atol=1e-5),
+    )
+    return solution.ys[-1]
+
+
+def test_diffrax_adaptive_solve_with_checkpointed_adjoint():
+    # The default adjoint differentiates in reverse only (`jax.jacfwd` cannot).
+    args = (_y0(), (jnp.float32(0.7), jnp.float32(1.3)))
+    _check(_adaptive_tsit5, args, (0, 1), orders=("auto", "rev"))
+
+
+def test_diffrax_fixed_steps_saved_at_several_times():
+    def solve(y0, p):
+        solution = diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, args: -args * y**3),
+            diffrax.Heun(),
+            t0=0.0,
+            t1=1.0,
+            dt0=0.05,
+            y0=y0,
+            args=p,
+            saveat=diffrax.SaveAt(ts=jnp.linspace(0.0, 1.0, 4)),
+            adjoint=diffrax.DirectAdjoint(),
+        )
+        return solution.ys
+
+    _check(solve, (_y0(), jnp.float32(0.5)), (0, 1))
+
+
+def _matrix():
+    return jr.normal(jr.PRNGKey(0), (4, 4), jnp.float32) + 4 * jnp.eye(
+        4, dtype=jnp.float32
+    )
+
+
+@pytest.mark.parametrize("solver", ["lu", "cholesky", "cg", "lstsq"])
+def test_lineax_linear_solves(solver):
+    def solve(a, b):
+        if solver == "lu":
+            operator, method = lx.MatrixLinearOperator(a), lx.LU()
+        elif solver == "lstsq":  # overdetermined: least squares
+            operator = lx.MatrixLinearOperator(a[:, :3])
+            method = lx.AutoLinearSolver(well_posed=False)
+        else:
+            spd = lx.MatrixLinearOperator(a @ a.T, lx.positive_semidefinite_tag)
+            operator = spd
+            method = (
+                lx.Cholesky()
+                if solver == "cholesky"
+                else lx.CG(rtol=1e-7, atol=1e-7, max_steps=200)
+            )
+        return lx.linear_solve(operator, b, solver=method).value
+
+    args = (_matrix(), jr.normal(jr.PRNGKey(1), (4,), jnp.float32))
+    tolerance = {"rtol": 1e-2, "atol": 1e-3} if solver == "cg" else {"rtol": 1e-3}
+    _check(solve, args, (0, 1), **tolerance)
+
+
+def test_optimistix_root_find_by_implicit_differentiation():
+    def root(p):
+        def fn(y, args):
+            return jnp.tanh(y) + args * y - 1.0
+
+        solver = optx.Newton(rtol=1e-6, atol=1e-6)
+        return optx.root_find(fn, solver, jnp.zeros(3), args=p).value
+
+    _check(root, (jnp.array([1.0, 2.0, 3.0], jnp.float32),), 0, rtol=1e-3)
+
+
+def test_optimistix_least_squares_and_minimisation():
+    def fit(p):
+        def residual(y, args):
+            return y[0] * jnp.exp(y[1] * jnp.arange(4.0)) - args
+
+        solver = optx.LevenbergMarquardt(rtol=1e-7, atol=1e-7)
+        y0 = jnp.array([1.0, 0.1])
+        return optx.least_squares(residual, solver, y0, args=p, max_steps=200).value
+
+    def minimum(p):
+        def loss(y, args):
+            return jnp.sum((y - args) ** 2) + jnp.sum(y**4)
+
+        solver = optx.BFGS(rtol=1e-6, atol=1e-6)
+        return optx.minimise(loss, solver, jnp.zeros(2), args=p, max_steps=200).value
+
+    for f, p in [(fit, [1.0, 1.2, 1.5, 1.9]), (minimum, [0.5, -0.8])]:
+        p = jnp.array(p, jnp.float32)
+        _check(f, (p,), 0, orders=("auto",), rtol=1e-2, atol=1e-3)
