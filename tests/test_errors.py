@@ -1,5 +1,6 @@
 """Errors raised by `jacve` at its API boundary."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -146,3 +147,17 @@ def test_integer_output_type_error():
     # As with `jax.jacrev`, only real floating outputs have a Jacobian.
     with pytest.raises(TypeError, match=r"int"):
         graphax_eqx.jacve(lambda x: jnp.argmax(x))(_x())
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_scatter_apply_has_no_derivative(jit):
+    # `x.at[idx].apply(fn)` has no JVP in JAX; `jacve` must not treat it as a
+    # scatter of its (dummy) updates.
+    def f(x):
+        return x.at[jnp.array([1, 3])].apply(jnp.sin)
+
+    with pytest.raises(NotImplementedError):
+        jax.jacrev(f)(_x())
+    jac = graphax_eqx.jacve(f)
+    with pytest.raises(TypeError, match=r"at\[idx\]\.set\(fn\(x\[idx\]\)\)"):
+        (jax.jit(jac) if jit else jac)(_x())

@@ -313,6 +313,18 @@ _PRIMITIVE_CASES = [
         _inputs((3, 4, 5), (2, 2, 3)),
         (0, 1),
     ),
+    # Starts below -size: wrapped once (to a negative start), then clamped to 0.
+    _case(
+        "dynamic_update_slice_below_minus_size_3d",
+        lambda x, u: jnp.sin(lax.dynamic_update_slice(x * x, u * u, (-5, 1, -7))),
+        _inputs((3, 4, 5), (2, 2, 3)),
+        (0, 1),
+    ),
+    _case(
+        "dynamic_slice_below_minus_size_2d",
+        _smooth(lambda x: lax.dynamic_slice(x, (-9, -8), (2, 3))),
+        _X2,
+    ),
     # Scatters: add with colliding indices, set with distinct ones.
     _case(
         "scatter_add_rows_2d",
@@ -546,6 +558,12 @@ def _traced_dynamic_update(x, u, y):
     return jnp.sin(lax.dynamic_update_slice(x * x, jnp.exp(u), start))
 
 
+def _traced_negative_update(x, u, y):
+    # Negative starts, some below -size: wrapped once, then clamped.
+    start = (jnp.argmin(y[:, 2]) - 8, jnp.argmax(y[1]) - 9)
+    return jnp.sin(lax.dynamic_update_slice(x * x, jnp.exp(u), start))
+
+
 def _traced_scatter_add(x, u, y):
     # Three targets for five rows: colliding indices.
     return jnp.sin((x * x).at[jnp.argsort(y[:, 0]) % 3].add(jnp.exp(u)))
@@ -581,6 +599,12 @@ _TRACED_CASES = [
     _case(
         "dynamic_update_slice",
         _traced_dynamic_update,
+        _inputs((5, 6), (2, 3), (5, 6)),
+        (0, 1),
+    ),
+    _case(
+        "dynamic_update_slice_negative",
+        _traced_negative_update,
         _inputs((5, 6), (2, 3), (5, 6)),
         (0, 1),
     ),

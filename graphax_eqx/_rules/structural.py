@@ -278,8 +278,10 @@ def _dynamic_update_slice(primals, active, **params):
     shape = shape_of(out)
     partials = {}
     if active[0]:
-        mask = lax.dynamic_update_slice(
-            jnp.ones_like(operand), jnp.zeros_like(update), indices
+        # The primitive itself: `lax.dynamic_update_slice` would wrap negative
+        # starts a second time (they are wrapped once before the primitive).
+        mask = lax.dynamic_update_slice_p.bind(
+            jnp.ones_like(operand), jnp.zeros_like(update), *indices, **params
         )
         partials[(0, 0)] = diagonal(mask, shape, out.dtype)
     if active[1]:
@@ -336,6 +338,17 @@ def _scatter_add_map(params, indices, upd_shape, out_shape, dtype):
 @register(lax.scatter_p)
 def _scatter(primals, active, **params):
     operand, indices, updates = primals
+    if params.get("update_jaxpr") is not None:
+        # `x.at[idx].apply(fn)`: the scattered values are `fn` of the operand's, not
+        # the updates. JAX's own rule decides (JAX 0.10 has none).
+        try:
+            return fallback_rule(lax.scatter_p, primals, active, params)
+        except TypeError as error:
+            raise TypeError(
+                "`x.at[idx].apply(fn)` has no derivative in JAX (`jax.jacfwd` and "
+                "`jax.jacrev` refuse it too). Write it as "
+                "`x.at[idx].set(fn(x[idx]))`, which has one."
+            ) from error
     out = lax.scatter_p.bind(*primals, **params)
     shape = shape_of(out)
     partials = {}
