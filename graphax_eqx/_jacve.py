@@ -30,9 +30,9 @@ from ._graph import (
     inline,
     shaping_vars,
 )
-from ._indexed import CooTensor, sums_as_gathers
+from ._indexed import CooPattern, CooTensor, sums_as_gathers
 from ._orders import normalise_order, resolve
-from ._sparse import LinearMap, SparseTensor, from_labeled, to_sparse
+from ._sparse import LinearMap, SparseTensor, to_sparse
 
 
 #
@@ -378,10 +378,10 @@ def _eliminate(prep: _Prepared, order_spec, known: frozenset[int] = frozenset())
 
 def _zero_block(out_shape, in_shape, dtype, sparse):
     if sparse:
-        n = len(out_shape) + len(in_shape)
-        return from_labeled(
-            jnp.zeros((), dtype), (), out_shape, in_shape, tuple(range(n)), dtype
-        )
+        # No entries: `.to_bcoo()` stores none.
+        none = np.zeros((0,), np.int64)
+        pattern = CooPattern(tuple(out_shape), tuple(in_shape), (), (), none, none)
+        return CooTensor(jnp.zeros((0,), dtype), pattern, jnp.dtype(dtype), None)
     return jnp.zeros(tuple(out_shape) + tuple(in_shape), dtype)
 
 

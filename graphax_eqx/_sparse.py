@@ -230,7 +230,8 @@ def batched_bcoo(block, batch: int) -> jsparse.BCOO:
     """`block.to_bcoo()` of a result vmapped over `batch` leading axes: a BCOO with
     `batch` batch dimensions, its indices the same in every batch element."""
     lead = tuple(jax.tree.leaves(block)[0].shape[:batch])
-    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[batch:]), block)
+    size = math.prod(lead)  # not `-1`: a block may store no entries
+    flat = jax.tree.map(lambda x: x.reshape((size,) + x.shape[batch:]), block)
     first = type(block).to_bcoo(jax.tree.map(lambda x: x[0], flat))
     data = jax.vmap(lambda b: type(b).to_bcoo(b).data)(flat)
     data = data.reshape(lead + data.shape[1:])

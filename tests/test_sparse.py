@@ -137,3 +137,24 @@ def test_sparse_with_has_aux():
     assert _is_sparse(jac)
     assert_tree_matches(jac.dense(), expected_jac)
     assert_tree_matches(aux, expected_aux)
+
+
+def test_blocks_of_independent_arguments_store_no_entries():
+    # The output does not depend on `y`: its block is zero and stores nothing,
+    # under `jit` and `vmap` too.
+    def f(x, y):
+        return x[1:] - x[:-1]
+
+    x, y = jnp.ones(6, jnp.float32), jnp.ones(11, jnp.float32)
+    jac = graphax_eqx.jacve(f, argnums=(0, 1), sparse_representation=True)
+    expected = jax.jacfwd(f, argnums=(0, 1))(x, y)
+    for _, block_y in (jac(x, y), jax.jit(jac)(x, y)):
+        assert block_y.to_bcoo().nse == 0
+        np.testing.assert_array_equal(block_y.dense(), expected[1])
+        np.testing.assert_array_equal(block_y.to_bcoo().todense(), expected[1])
+    xs, ys = jnp.ones((3, 6), jnp.float32), jnp.ones((3, 11), jnp.float32)
+    _, block_y = jax.vmap(jac)(xs, ys)
+    batched = jax.vmap(jax.jacfwd(f, argnums=(0, 1)))(xs, ys)[1]
+    np.testing.assert_array_equal(block_y.dense(), batched)
+    np.testing.assert_array_equal(block_y.to_bcoo().todense(), batched)
+    assert block_y.to_bcoo().nse == 0
