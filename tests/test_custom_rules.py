@@ -799,8 +799,25 @@ def test_custom_jvp_rule_closing_over_a_traced_value_is_a_clear_error():
 
         return g(x)
 
+    def h(x):
+        # Closed over by the function and its rule, and computed from the
+        # differentiated input: the rule gives no derivative through it, so the
+        # Jacobian would miss that term (`jax.jacfwd` raises).
+        c = x * 2.0
+
+        @jax.custom_jvp
+        def g(y):
+            return jnp.sin(y) * c
+
+        @g.defjvp
+        def _(primals, tangents):
+            return g(primals[0]), jnp.cos(primals[0]) * c * tangents[0]
+
+        return g(x)
+
     x = jnp.array([0.1, 0.2, 0.3])
-    with pytest.raises(TypeError, match="closes over a value computed"):
-        gx.jacve(f)(x)
-    with pytest.raises(TypeError, match="closes over a value computed"):
-        jax.jit(gx.jacve(f))(x)
+    for fun in (f, h):
+        with pytest.raises(TypeError, match="closes over a value computed"):
+            gx.jacve(fun)(x)
+        with pytest.raises(TypeError, match="closes over a value computed"):
+            jax.jit(gx.jacve(fun))(x)

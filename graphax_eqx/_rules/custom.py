@@ -501,10 +501,11 @@ def _stale_value_error(params, use_vjp: bool) -> TypeError:
     kind = "custom_vjp" if use_vjp else "custom_jvp"
     return TypeError(
         f"The {kind} rule of {which} closes over a value computed while the "
-        "function was traced that is not one of the function's own arguments. "
-        "Vertex elimination runs custom rules after tracing, when such a value no "
-        "longer exists (JAX's own transforms reject such rules too, with an "
-        "`UnexpectedTracerError`). Pass the value to the function as an argument "
+        "function was traced: one the function is not passed, or one that depends "
+        "on the differentiated inputs (a custom rule gives no derivative through "
+        "the values it closes over). Vertex elimination runs custom rules after "
+        "tracing, when such a value no longer exists, and JAX's own transforms "
+        "reject such rules too. Pass the value to the function as an argument "
         "(listed in `nondiff_argnums` if it is not to be differentiated) instead of "
         "closing over it."
     )
@@ -518,9 +519,15 @@ def _custom_rule(prim, use_vjp):
             params, len(primals) - params.get("num_consts", 0)
         ):
             # The rule reads values the function computed (`nondiff_argnums` arrays):
-            # where they are the equation's const operands, it reads them there.
+            # where they are the equation's const operands, it reads them there. Not
+            # where one depends on the differentiated inputs: the rule gives no
+            # derivative through it (JAX raises there too).
             rebound = jp.rebind_const_operands(params)
-            if rebound is None or jp.stale_closure(rebound, len(primals)):
+            if (
+                rebound is None
+                or any(active[: params.get("num_consts", 0)])
+                or jp.stale_closure(rebound, len(primals))
+            ):
                 raise _stale_value_error(params, use_vjp)
             params = rebound
         try:
