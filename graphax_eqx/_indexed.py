@@ -450,7 +450,10 @@ def _scatter_free(val: Array, p: CooPattern, fill) -> Array:
     else:
         out = jnp.full(lead + (size,), fill, val.dtype)
         idx = flat.astype(_index_dtype(size))
-        out = out.at[..., idx].set(val, unique_indices=True, indices_are_sorted=True)
+        # Banded results list their entries by diagonal, not in flat order: the
+        # hint is given only where it holds (a false one may mislead XLA).
+        ordered = bool(np.all(flat[1:] > flat[:-1]))
+        out = out.at[..., idx].set(val, unique_indices=True, indices_are_sorted=ordered)
     return lax.reshape(out, lead + p.out_free_shape + p.in_free_shape)
 
 
@@ -798,8 +801,9 @@ def coo_product_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
 
 def _segment_sum_last(x: Array, seg: np.ndarray, n: int) -> Array:
     moved = jnp.moveaxis(x, -1, 0)
+    ordered = bool(np.all(seg[1:] >= seg[:-1]))
     out = jax.ops.segment_sum(
-        moved, jnp.asarray(seg, _index_dtype(n)), n, indices_are_sorted=True
+        moved, jnp.asarray(seg, _index_dtype(n)), n, indices_are_sorted=ordered
     )
     return jnp.moveaxis(out, 0, -1)
 

@@ -182,3 +182,21 @@ def test_band_result_with_a_gap_in_a_diagonal():
         got = jax.jit(jac)(x)
         assert got.to_bcoo().nse == int(np.count_nonzero(ref))
         np.testing.assert_allclose(np.asarray(got.dense()), ref, rtol=1e-12)
+
+
+def test_band_results_claim_no_sorted_order_they_lack():
+    # A banded result lists its entries by diagonal; scattering them to a dense
+    # block must not tell XLA they are sorted (an accelerator may rely on it).
+    def f(u):
+        return u[2:] - 2 * u[1:-1] + u[:-2] + jnp.sin(u[1:-1]) ** 3
+
+    x = jnp.linspace(0.1, 1.0, 1100, dtype=jnp.float32)
+    jac = gx.jacve(f, order="fwd", sparse_representation=True)(x)
+    p = jac.pattern
+    flat = p.rows * p.n_in_free + p.cols
+    assert not np.all(flat[1:] > flat[:-1])  # the case this test is about
+    closed = jax.make_jaxpr(type(jac).dense)(jac)
+    scatters = [e for e in closed.jaxpr.eqns if "scatter" in e.primitive.name]
+    assert scatters
+    assert not any(e.params["indices_are_sorted"] for e in scatters)
+    np.testing.assert_allclose(jac.dense(), jax.jacfwd(f)(x), rtol=1e-5, atol=1e-6)
