@@ -1132,7 +1132,9 @@ MAX_CONVERT = 1 << 22
 @dataclasses.dataclass(frozen=True, eq=False)
 class ConvertPlan:
     """Convert one operand (`"coo"`: to coordinates, `"labeled"`: dense free axes),
-    then run `inner`, the plan of the converted operands."""
+    then run `inner`, the plan of the converted operands. `picked`, when given, is a
+    coordinate pattern and, for each of its entries, the position in the result's
+    dense free part to read it from (see `_structural_result`)."""
 
     pattern: Any
     kind: str
@@ -1142,6 +1144,7 @@ class ConvertPlan:
     conv_a: str | None
     conv_b: str | None
     inner: Any
+    picked: tuple[CooPattern, np.ndarray] | None = None
 
 
 def _free_entries(p: Pattern) -> int:
@@ -1175,11 +1178,66 @@ def _coo_pattern_of(p: Pattern, has_val: bool) -> CooPattern:
     return coo if has_val else coo.with_varying((False,) * len(coo.ties))
 
 
+# A product that runs densely (`dense_is_better`) but whose result is smaller than
+# this keeps its structural nonzeros only: its exact pattern is found from the
+# operands' coordinates (at most `MAX_PICK_PAIRS` entry pairs) and read off the dense
+# result by one gather. Small banded Jacobians then never come out as dense squares.
+MAX_PICK_PAIRS = 1 << 20
+
+
+@functools.lru_cache(maxsize=4096)
+def _structural_result(
+    pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool, dense: Pattern, val: bool
+) -> tuple[CooPattern, np.ndarray] | None:
+    """The coordinate pattern of the structural nonzeros of `A · B`, laid out as
+    `to_coo` lays out the dense product (pattern `dense`), and where each entry lies
+    in that layout; `None` where the dense product should stay dense."""
+    if not isinstance(dense, Pattern):
+        return None
+    full, _ = _coo_of_labeled(dense)
+    size = full.n_out_free * full.n_in_free
+    if size >= DENSE_MIN_SIZE or full.nnz != size:
+        return None
+    pairs, pa2, pb2 = _pair_count(pa, pb)
+    if pairs > MAX_PICK_PAIRS:
+        return None
+    ia, ib = _join(pa2.cols, pb2.rows)
+    n_u = pb2.n_in_free
+    keys = np.unique(pa2.rows[ia] * n_u + pb2.cols[ib])
+    exact_ties = tuple(
+        (o, pb2.ties[[v for v, _ in pb2.ties].index(j)][1]) for o, j in pa2.ties
+    )
+    if exact_ties != full.ties or n_u != full.n_in_free or len(keys) == size:
+        return None
+    lookup = np.empty(size, np.int64)
+    lookup[full.rows * n_u + full.cols] = np.arange(size)
+    varying = full.varying if val else (False,) * len(full.ties)
+    picked = CooPattern(
+        full.out_shape, full.in_shape, full.ties, varying, keys // n_u, keys % n_u
+    )
+    return picked, lookup[keys]
+
+
+def _pick(x, picked: tuple[CooPattern, np.ndarray] | None):
+    """`x` (a dense free part) reduced to the coordinates `picked` lists."""
+    if picked is None:
+        return x
+    pattern, idx = picked
+    ct = to_coo(x)
+    assert ct.pattern.ties == pattern.ties, (ct.pattern, pattern)
+    if ct.val is None:
+        return CooTensor(None, pattern, ct.dtype)
+    mask = None if ct.mask is None else _take_last(ct.mask, idx)
+    return CooTensor(_take_last(ct.val, idx), pattern, ct.dtype, mask)
+
+
 def _routed(pa, pb, a_val: bool, b_val: bool):
     """How a product with coordinates on a side, and no band product, is planned:
-    `(entrywise, conv_a, conv_b, pa, pb, a_val, b_val)` with the operands converted
-    for the plan, entry by entry over coordinates when `entrywise`, else by
-    `product_plan` over dense free parts."""
+    `(entrywise, conv_a, conv_b, pa, pb, a_val, b_val, coo)` with the operands
+    converted for the plan, entry by entry over coordinates when `entrywise`, else by
+    `product_plan` over dense free parts. `coo` holds the coordinate operands
+    `(pa, pb, a_val, b_val)` of a product that runs densely although both sides have
+    coordinates, else `None`."""
     from ._band import unbanded
 
     # A band meeting anything else goes back to its exact coordinates.
@@ -1190,7 +1248,8 @@ def _routed(pa, pb, a_val: bool, b_val: bool):
         conv_a, conv_b, pa, pb, a_val, b_val = _converted(pa, pb, a_val, b_val)
     if isinstance(pa, CooPattern) and isinstance(pb, CooPattern):
         if not dense_is_better(pa, pb):
-            return True, conv_a, conv_b, pa, pb, a_val, b_val
+            return True, conv_a, conv_b, pa, pb, a_val, b_val, None
+        coo = (pa, pb, a_val, b_val)
         # Dense free parts: sparse operands go to labeled form, labeled ones stay.
         pa, pb, a_val, b_val = originals
         conv_a = conv_b = None
@@ -1198,7 +1257,8 @@ def _routed(pa, pb, a_val: bool, b_val: bool):
             conv_a, pa, a_val = "labeled", labeled_pattern(pa)[0], True
         if isinstance(pb, CooPattern):
             conv_b, pb, b_val = "labeled", labeled_pattern(pb)[0], True
-    return False, conv_a, conv_b, pa, pb, a_val, b_val
+        return False, conv_a, conv_b, pa, pb, a_val, b_val, coo
+    return False, conv_a, conv_b, pa, pb, a_val, b_val, None
 
 
 def mixed_product_muls(pa, pb, a_val: bool, b_val: bool) -> int:
@@ -1211,7 +1271,7 @@ def mixed_product_muls(pa, pb, a_val: bool, b_val: bool) -> int:
     band = band_product_plan(pa, pb)
     if band is not None:
         return band.muls
-    entrywise, _, _, pa, pb, a_val, b_val = _routed(pa, pb, a_val, b_val)
+    entrywise, _, _, pa, pb, a_val, b_val, _ = _routed(pa, pb, a_val, b_val)
     if entrywise:
         assert isinstance(pa, CooPattern) and isinstance(pb, CooPattern)
         return coo_product_muls(pa, pb, a_val, b_val)
@@ -1227,7 +1287,8 @@ def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
     band = band_product_plan(pa, pb)
     if band is not None:
         return band
-    entrywise, conv_a, conv_b, pa, pb, a_val, b_val = _routed(pa, pb, a_val, b_val)
+    routed = _routed(pa, pb, a_val, b_val)
+    entrywise, conv_a, conv_b, pa, pb, a_val, b_val, coo = routed
     if entrywise:
         plan = coo_product_plan(pa, pb, a_val, b_val)
         if conv_a is None and conv_b is None:
@@ -1236,15 +1297,18 @@ def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
             plan.pattern, "convert", plan.muls, 0, plan.has_val, conv_a, conv_b, plan
         )
     inner = product_plan(pa, pb, a_val, b_val)
+    has_val = plan_has_val(inner, a_val, b_val)
+    picked = None if coo is None else _structural_result(*coo, inner.pattern, has_val)
     return ConvertPlan(
-        inner.pattern,
+        inner.pattern if picked is None else picked[0],
         "convert",
         inner.muls,
         0,
-        plan_has_val(inner, a_val, b_val),
+        has_val,
         conv_a,
         conv_b,
         inner,
+        picked,
     )
 
 
@@ -1296,7 +1360,7 @@ def run_product(a, b, plan, dtype):
     if isinstance(plan, CooProductPlan):
         return coo_product(a, b, plan, dtype), plan.muls
     out, _ = product(_convert(a, plan.conv_a), _convert(b, plan.conv_b))
-    return out, plan.muls
+    return _pick(out, plan.picked), plan.muls
 
 
 def run_add(a, b, plan, dtype):
