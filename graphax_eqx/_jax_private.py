@@ -82,6 +82,27 @@ stack_p = _first("stack_p")
 unstack_p = _first("unstack_p")
 optimization_barrier_p = _first("optimization_barrier_p")
 
+
+def _collectives() -> frozenset:
+    # Every primitive of `jax._src.lax.parallel` but `axis_index` communicates over
+    # mapped axes; `pvary` (and its kin in `core`) marks a value as varying along
+    # them, and transposes to a `psum`.
+    from jax._src.lax import parallel as _parallel
+
+    found = [
+        getattr(_parallel, name)
+        for name in dir(_parallel)
+        if name.endswith("_p") and name != "axis_index_p"
+    ]
+    found += [getattr(_core, name, None) for name in ("pvary_p", "reduced_vary_cast_p")]
+    return frozenset(p for p in found if isinstance(p, jex_core.Primitive))
+
+
+# Collectives over the axes of `shard_map`, `pmap` or `vmap(axis_name=...)`.
+COLLECTIVES = _collectives()
+# Primitives whose bodies bind their own mapped axes (`pmap` is a `shard_map` too).
+MAPS = frozenset(p for p in (shard_map_p,) if p is not None)
+
 Literal = jex_core.Literal
 Var = jex_core.Var
 DropVar = jex_core.DropVar

@@ -161,3 +161,25 @@ def test_scatter_apply_has_no_derivative(jit):
     jac = graphax_eqx.jacve(f)
     with pytest.raises(TypeError, match=r"at\[idx\]\.set\(fn\(x\[idx\]\)\)"):
         (jax.jit(jac) if jit else jac)(_x())
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "auto"])
+def test_collectives_over_a_mapped_axis_are_refused(order):
+    # Inside `vmap(..., axis_name=...)` each batch element holds one piece of the
+    # function, and JAX's two modes disagree on the Jacobian of a collective there:
+    # `psum(sin(x)) * x` gives three different answers (jacfwd, jacrev, and a
+    # product of local partials). `jacve` refuses instead of picking one.
+    def f(x):
+        return jax.lax.psum(jnp.sin(x), "i") * x
+
+    x = jnp.linspace(0.1, 0.8, 8).reshape(8, 1)
+    rev = jax.vmap(jax.jacrev(f), axis_name="i")(x)
+    fwd = jax.vmap(jax.jacfwd(f), axis_name="i")(x)
+    assert not np.allclose(rev, fwd)
+    with pytest.raises(TypeError, match=r"collective `psum`.*jax\.lax\.psum\("):
+        jax.vmap(graphax_eqx.jacve(f, order=order), axis_name="i")(x)
+    # A collective the differentiated input does not reach is no obstacle.
+    g = lambda x, w: jnp.sin(x) * jax.lax.psum(w, "i")
+    got = jax.vmap(graphax_eqx.jacve(g, order=order), axis_name="i")(x, x)
+    want = jax.vmap(jax.jacrev(g), axis_name="i")(x, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -395,21 +395,44 @@ def check_rules_inside(prim, params, active: Sequence[bool]) -> None:
     linearisation carries, which differs from `jax.grad` exactly as a rule outside a
     loop does (see `_custom_rule`).
     """
+    if prim in jp.COLLECTIVES:
+        raise _collective_error(prim)
     if (
         prim in _CUSTOM_CALLS
     ):  # checked by `_custom_rule`; its body is not differentiated
         return
     for body, body_active in _bodies_reached(prim, params, list(active)):
-        _reach(body, body_active, check=True)
+        _reach(body, body_active, check=True, collectives=prim not in jp.MAPS)
 
 
-def _reach(jaxpr, active: list[bool], check: bool) -> list[bool]:
+def _collective_error(prim) -> TypeError:
+    return TypeError(
+        f"`jacve` cannot differentiate through the collective `{prim}` over the "
+        "mapped axes of a `shard_map`, `pmap` or `vmap(..., axis_name=...)` it runs "
+        "inside. There each device (or batch element) holds its own piece of the "
+        "function, and its Jacobian is not defined piece by piece: `jax.jacfwd` and "
+        "`jax.jacrev` give different results. Take the Jacobian of the whole mapped "
+        "function instead (`jacve(jax.shard_map(f, ...))`, or `jax.jit(jacve(f))` on "
+        "sharded inputs, which XLA partitions), or differentiate the local "
+        "computation and apply the collective to its Jacobian: for a data-parallel "
+        "loss, `jax.lax.psum(jacve(local_loss)(params, batch), axis_name)`, with "
+        "replicated `params` first made varying by "
+        "`jax.lax.pcast(params, axis_name, to='varying')`."
+    )
+
+
+def _reach(
+    jaxpr, active: list[bool], check: bool, collectives: bool = False
+) -> list[bool]:
     """Which outputs of `jaxpr` depend on its `active` inputs; with `check`, refuse
-    every reached custom rule not linear in its seed, at any depth."""
+    every reached custom rule not linear in its seed, at any depth, and with
+    `collectives` every reached collective outside a nested map."""
     env = dict(zip(jaxpr.invars, active, strict=True))
     for eqn in jaxpr.eqns:
         deps = [not isinstance(v, jp.Literal) and env.get(v, False) for v in eqn.invars]
         if check and any(deps):
+            if collectives and eqn.primitive in jp.COLLECTIVES:
+                raise _collective_error(eqn.primitive)
             if eqn.primitive in _CUSTOM_CALLS:
                 types = [
                     jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars
@@ -423,10 +446,11 @@ def _reach(jaxpr, active: list[bool], check: bool) -> list[bool]:
                     use_vjp = eqn.primitive is jp.custom_vjp_call_p
                     _check_linear(eqn.primitive, eqn.params, types, wrt, use_vjp)
             else:
+                inner = collectives and eqn.primitive not in jp.MAPS
                 for body, body_active in _bodies_reached(
                     eqn.primitive, eqn.params, deps
                 ):
-                    _reach(body, body_active, check=True)
+                    _reach(body, body_active, check=True, collectives=inner)
         env.update((v, any(deps)) for v in eqn.outvars)
     return [not isinstance(v, jp.Literal) and env.get(v, False) for v in jaxpr.outvars]
 
