@@ -160,6 +160,10 @@ class _Traced:
     aux_tree: Any
     num_out: int
     out_avals: tuple
+    # Aux leaves the trace did not touch (NumPy arrays, Python objects, arrays
+    # computed outside `fun`), by position: returned as they are, as `jax.jacrev`
+    # returns them outside `jit`.
+    static_aux: dict[int, Any]
 
     @property
     def structure(self) -> Structure:
@@ -275,10 +279,16 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
                     f"`{name}` needs real floating-point outputs, but the function "
                     f"returned an output of dtype {o.dtype}. {fix}"
                 )
-        aux_leaves = [
-            _as_array(a, "an aux output", name, output=True) for a in aux_leaves
-        ]
-        store.update(out_tree=out_tree, aux_tree=aux_tree, num_out=len(out_leaves))
+        static_aux = {
+            k: a for k, a in enumerate(aux_leaves) if not isinstance(a, jp.Tracer)
+        }
+        aux_leaves = [a for a in aux_leaves if isinstance(a, jp.Tracer)]
+        store.update(
+            out_tree=out_tree,
+            aux_tree=aux_tree,
+            num_out=len(out_leaves),
+            static_aux=static_aux,
+        )
         return out_leaves + aux_leaves
 
     closed = jax.make_jaxpr(flat_fun)(*leaves)
@@ -290,6 +300,7 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
         store["aux_tree"],
         store["num_out"],
         tuple(closed.out_avals),
+        store["static_aux"],
     )
 
 
@@ -500,7 +511,12 @@ def _output_values(flat_out, out_avals) -> list:
 def _split_outputs(prep: _Prepared, vals):
     traced = prep.traced
     out = jtu.tree_unflatten(traced.out_tree, vals[: traced.num_out])
-    aux = jtu.tree_unflatten(traced.aux_tree, vals[traced.num_out :])
+    traced_aux = iter(vals[traced.num_out :])
+    aux_leaves = [
+        traced.static_aux[k] if k in traced.static_aux else next(traced_aux)
+        for k in range(traced.aux_tree.num_leaves)
+    ]
+    aux = jtu.tree_unflatten(traced.aux_tree, aux_leaves)
     return out, aux
 
 

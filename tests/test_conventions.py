@@ -169,3 +169,31 @@ def test_arguments_not_differentiated_reach_the_function_as_passed():
     for w in (1.0, 2.0, 3.0):
         wa = jnp.full(4, w)
         assert_tree_matches(jac(x, wa), jax.jacrev(g)(x, wa))
+
+
+def test_aux_objects_the_function_did_not_compute_come_back_as_they_are():
+    # Outside `jit`, `jax.jacrev` returns aux leaves that the trace never touched
+    # (NumPy arrays and scalars, Python objects, strings) as they are; under `jit`
+    # and `vmap` they become arrays, as there.
+    index = np.arange(3)
+
+    def f(x):
+        aux = {"index": index, "scale": np.float32(2.0), "tag": "run", "y": x * 2.0}
+        return jnp.sin(x), aux
+
+    x = jnp.linspace(0.1, 0.5, 3)
+    want_jac, want_aux = jax.jacrev(f, has_aux=True)(x)
+    (_, aux_of_value), jac_of_value = gx.value_and_jacve(f, has_aux=True)(x)
+    for jac, aux in (gx.jacve(f, has_aux=True)(x), (jac_of_value, aux_of_value)):
+        assert_tree_matches(jac, want_jac)
+        assert aux["index"] is index and aux["tag"] == "run"
+        assert type(aux["scale"]) is np.float32
+        assert isinstance(aux["y"], jax.Array)
+        np.testing.assert_allclose(aux["y"], want_aux["y"])
+    g = lambda x: (f(x)[0], {k: v for k, v in f(x)[1].items() if k != "tag"})
+    got = jax.jit(gx.jacve(g, has_aux=True))(x)[1]
+    want = jax.jit(jax.jacrev(g, has_aux=True))(x)[1]
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert isinstance(a, jax.Array) and a.dtype == b.dtype
+        np.testing.assert_allclose(a, b)
