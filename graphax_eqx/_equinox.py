@@ -12,7 +12,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, ParamSpec, TypeVar, cast, overload
 
 import equinox as eqx
+import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax import lax
 from jaxtyping import PyTree
 
 from ._jacve import _check_argnums, _normalise_argnums, jacve, value_and_jacve
@@ -82,6 +84,35 @@ def _split_output(api: str, out: Any) -> tuple[Any, Any]:
     return out[0], out[1]
 
 
+def _split_complex(leaves: list[Any], complex_at: list[int]) -> list[Any]:
+    """`leaves` with each leaf at `complex_at` replaced by its real and imaginary
+    parts."""
+    out = []
+    for k, leaf in enumerate(leaves):
+        out.extend((jnp.real(leaf), jnp.imag(leaf)) if k in complex_at else (leaf,))
+    return out
+
+
+def _join_complex(parts: list[Any], complex_at: list[int]) -> list[Any]:
+    """The inverse of `_split_complex`."""
+    out, it = [], iter(parts)
+    for k in range(len(parts) - len(complex_at)):
+        out.append(lax.complex(next(it), next(it)) if k in complex_at else next(it))
+    return out
+
+
+def _combine_complex(blocks: list[Any], complex_at: list[int]) -> list[Any]:
+    """Jacobian blocks by real and imaginary part, combined per complex leaf."""
+    out, it = [], iter(blocks)
+    for k in range(len(blocks) - len(complex_at)):
+        if k in complex_at:
+            re, im = next(it), next(it)
+            out.append(lax.complex(re, -im))
+        else:
+            out.append(next(it))
+    return out
+
+
 def _differentiate(
     api: str,
     fun: Callable,
@@ -112,6 +143,17 @@ def _differentiate(
     # the engine sees ordinary inputs whether or not we are under `jit` or `vmap`.
     dynamic, static = eqx.partition((args_list, kwargs), eqx.is_array)
     dynamic_leaves, dynamic_treedef = jtu.tree_flatten(dynamic)
+    # Complex leaves (inexact arrays, so differentiated as Equinox does) enter the
+    # engine as their real and imaginary parts; their Jacobian blocks are combined
+    # as `jax.vjp` gives them: `d/d(real) - 1j d/d(imag)`.
+    complex_at = [k for k, leaf in enumerate(diff_leaves) if jnp.iscomplexobj(leaf)]
+    if complex_at and sparse_representation:
+        raise TypeError(
+            f"`{api}(..., sparse_representation=True)` does not support complex "
+            "leaves to differentiate; use the default dense result, or differentiate "
+            "with respect to their real and imaginary parts."
+        )
+    engine_leaves = _split_complex(diff_leaves, complex_at)
 
     # A new engine each call: like `jax.jacrev`, every call traces `fun` anew, so
     # values it closes over are read afresh. The engine caches the analysed graph by
@@ -120,6 +162,7 @@ def _differentiate(
     traced: dict[str, Any] = {}
 
     def flat_fun(flat_diff, flat_dynamic):
+        flat_diff = _join_complex(flat_diff, complex_at)
         call_args, call_kwargs = eqx.combine(
             jtu.tree_unflatten(dynamic_treedef, flat_dynamic), static
         )
@@ -157,15 +200,15 @@ def _differentiate(
     if not diff_leaves:
         # Nothing to differentiate (e.g. a model holding only integer arrays): every
         # Jacobian is the `None`-holed structure of the argument, no elimination runs.
-        result = flat_fun(diff_leaves, dynamic_leaves)
+        result = flat_fun(engine_leaves, dynamic_leaves)
         out_leaves, aux_leaves = result if has_aux else (result, None)
         rows = [[] for _ in out_leaves]
         counts = {"num_muls": 0, "num_adds": 0, "order": [], "order_counts": []}
     elif with_value:
-        value, rows = engine(diff_leaves, dynamic_leaves)
+        value, rows = engine(engine_leaves, dynamic_leaves)
         out_leaves, aux_leaves = value if has_aux else (value, None)
     else:
-        result = engine(diff_leaves, dynamic_leaves)
+        result = engine(engine_leaves, dynamic_leaves)
         if count_ops:
             result, counts = result
         rows, aux_leaves = result if has_aux else (result, None)
@@ -176,7 +219,7 @@ def _differentiate(
     is_tuple = not isinstance(argnums, int)
     per_output = []
     for row in rows:
-        row = list(row)
+        row = _combine_complex(list(row), complex_at)
         trees = []
         start = 0
         for treedef, size in zip(diff_treedefs, diff_sizes, strict=True):

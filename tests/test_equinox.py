@@ -537,3 +537,38 @@ def test_eager_calls_with_static_arguments():
     for scale in (2, 3.0, 2):
         grads = gx.filter_jacve(loss)(model, x, scale)
         assert eqx.tree_equal(grads, eqx.filter_grad(loss)(model, x, scale), rtol=1e-5)
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "auto"])
+def test_complex_leaves_are_differentiated_as_equinox_does(order):
+    # `eqx.is_inexact_array` holds for complex arrays, so `eqx.filter_grad` and
+    # `eqx.filter_jacrev` differentiate them: `d/d(real) - 1j d/d(imag)`.
+    params = {
+        "w": (jnp.arange(1.0, 4.0) * (1 + 0.5j)).astype(jnp.complex64),
+        "r": jnp.linspace(0.2, 0.9, 3),
+        "n": 3,
+    }
+
+    def loss(p):
+        return jnp.sum(jnp.abs(p["w"] * p["r"]) ** 2 + jnp.real(p["w"] ** 2) * p["r"])
+
+    def field(p):
+        return jnp.abs(p["w"] * p["r"]) ** 2 + jnp.imag(jnp.exp(p["w"])) * p["r"][::-1]
+
+    for got, want in (
+        (
+            gx.filter_value_and_jacve(loss, order=order)(params),
+            eqx.filter_value_and_grad(loss)(params),
+        ),
+        (gx.filter_jacve(field, order=order)(params), eqx.filter_jacrev(field)(params)),
+        (
+            eqx.filter_jit(gx.filter_jacve(field, order=order))(params),
+            eqx.filter_jacrev(field)(params),
+        ),
+    ):
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="complex leaves"):
+        gx.filter_jacve(field, sparse_representation=True)(params)
