@@ -249,19 +249,10 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
     types and shardings; `rebuild(leaves)` gives `fun`'s positional and keyword
     arguments."""
     store = {}
-    # Called eagerly, `jax.jacrev` runs the operations on values that are not
-    # differentiated (the other arguments, closed-over arrays) as they come, so
-    # Python control flow may depend on them: so does `jacve`. Under a
-    # transformation they are tracers, and run staged as there.
-    eager = jp.outside_transformations()
 
     def flat_fun(*flat):
         args, kwargs = rebuild(flat)
-        if eager:
-            with jax.ensure_compile_time_eval():
-                res = fun(*args, **kwargs)
-        else:
-            res = fun(*args, **kwargs)
+        res = fun(*args, **kwargs)
         if has_aux:
             if not (isinstance(res, (tuple, list)) and len(res) == 2):
                 raise TypeError(
@@ -1117,9 +1108,8 @@ def jacve(
     **Arguments:**
 
     - `fun`: a function of arrays / pytrees of arrays returning a pytree of
-        floating-point arrays. As with `jax.jacrev`, Python control flow must not
-        depend on the values of the differentiated arguments (use `jax.lax.cond`
-        and friends); called outside `jax.jit`, it may depend on the others.
+        floating-point arrays. It is traced like under `jax.jit`, so Python control
+        flow must not depend on array values (use `jax.lax.cond` and friends).
     - `order`: `"fwd"` (or `"forward"`), `"rev"` (or `"reverse"`), one of the
         greedy heuristics `"markowitz"` (eliminate the currently cheapest vertex),
         `"relative_markowitz"` or `"min_fill"` (see `docs/orders.md`), `"auto"`

@@ -44,11 +44,6 @@ def is_concrete(x) -> bool:
     return not isinstance(x, Tracer)
 
 
-def outside_transformations() -> bool:
-    """Whether no JAX transformation (`jit`, `vmap`, `grad`, ...) is tracing now."""
-    return _core.trace_state_clean()
-
-
 def bind(primitive, params: dict[str, Any], *args) -> list:
     """Bind `primitive` as the equation with `params` did; always returns a list.
 

@@ -197,27 +197,3 @@ def test_aux_objects_the_function_did_not_compute_come_back_as_they_are():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert isinstance(a, jax.Array) and a.dtype == b.dtype
         np.testing.assert_allclose(a, b)
-
-
-def test_python_control_flow_on_arguments_not_differentiated():
-    # Called eagerly, `jax.jacrev` computes with the arguments it does not
-    # differentiate as they are, so Python control flow may depend on their values
-    # (a number of steps, a branch); so may `jacve`'s, and the Equinox layer's.
-    def f(w, x, t_end):
-        steps = int(jnp.ceil(t_end / 0.25))
-        y = w * x if jnp.sum(x) > 0 else -w * x
-        for _ in range(steps):
-            y = jnp.sin(y) * w
-        return y
-
-    w, x = jnp.linspace(0.2, 0.8, 3), jnp.array([1.0, -2.0, 3.0])
-    for t_end in (jnp.array(0.5), jnp.array(1.0)):
-        want = jax.jacrev(f)(w, x, t_end)
-        assert_tree_matches(gx.jacve(f)(w, x, t_end), want)
-        assert_tree_matches(gx.jacve(f, order="fwd")(w, x, t_end), want)
-        assert_tree_matches(gx.filter_jacve(f)(w, x, t_end), want)
-    # Under `jit` they are tracers, as for `jax.jacrev`.
-    with pytest.raises(jax.errors.ConcretizationTypeError):
-        jax.jit(jax.jacrev(f))(w, x, t_end)
-    with pytest.raises(jax.errors.ConcretizationTypeError):
-        jax.jit(gx.jacve(f))(w, x, t_end)
