@@ -394,6 +394,9 @@ def check_rules_inside(prim, params, active: Sequence[bool]) -> None:
     A loop's derivative applies the rules inside it to whatever (co)tangents its
     linearisation carries, which differs from `jax.grad` exactly as a rule outside a
     loop does (see `_custom_rule`).
+
+    Also refuse a collective over mapped axes that an active operand reaches, here or
+    in a body, unless a nested `shard_map` binds those axes (see `_collective_error`).
     """
     if prim in jp.COLLECTIVES:
         raise _collective_error(prim)
