@@ -93,21 +93,14 @@ def _split_complex(leaves: list[Any], complex_at: list[int]) -> list[Any]:
     return out
 
 
-def _join_complex(parts: list[Any], complex_at: list[int]) -> list[Any]:
-    """The inverse of `_split_complex`."""
+def _join_complex(parts: list[Any], complex_at: list[int], sign: int = 1) -> list[Any]:
+    """The inverse of `_split_complex` (`sign=1`); with `sign=-1`, Jacobian blocks by
+    real and imaginary part combined per complex leaf, `d/d(real) - 1j d/d(imag)`."""
     out, it = [], iter(parts)
     for k in range(len(parts) - len(complex_at)):
-        out.append(lax.complex(next(it), next(it)) if k in complex_at else next(it))
-    return out
-
-
-def _combine_complex(blocks: list[Any], complex_at: list[int]) -> list[Any]:
-    """Jacobian blocks by real and imaginary part, combined per complex leaf."""
-    out, it = [], iter(blocks)
-    for k in range(len(blocks) - len(complex_at)):
         if k in complex_at:
             re, im = next(it), next(it)
-            out.append(lax.complex(re, -im))
+            out.append(lax.complex(re, im if sign > 0 else -im))
         else:
             out.append(next(it))
     return out
@@ -219,7 +212,7 @@ def _differentiate(
     is_tuple = not isinstance(argnums, int)
     per_output = []
     for row in rows:
-        row = _combine_complex(list(row), complex_at)
+        row = _join_complex(list(row), complex_at, sign=-1)
         trees = []
         start = 0
         for treedef, size in zip(diff_treedefs, diff_sizes, strict=True):

@@ -1187,7 +1187,7 @@ MAX_PICK_PAIRS = 1 << 20
 
 @functools.lru_cache(maxsize=4096)
 def _structural_result(
-    pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool, dense: Pattern, val: bool
+    pa: CooPattern, pb: CooPattern, dense: Pattern, val: bool
 ) -> tuple[CooPattern, np.ndarray] | None:
     """The coordinate pattern of the structural nonzeros of `A · B`, laid out as
     `to_coo` lays out the dense product (pattern `dense`), and where each entry lies
@@ -1196,7 +1196,7 @@ def _structural_result(
         return None
     full, _ = _coo_of_labeled(dense)
     size = full.n_out_free * full.n_in_free
-    if size >= DENSE_MIN_SIZE or full.nnz != size:
+    if size >= DENSE_MIN_SIZE:
         return None
     pairs, pa2, pb2 = _pair_count(pa, pb)
     if pairs > MAX_PICK_PAIRS:
@@ -1204,9 +1204,8 @@ def _structural_result(
     ia, ib = _join(pa2.cols, pb2.rows)
     n_u = pb2.n_in_free
     keys = np.unique(pa2.rows[ia] * n_u + pb2.cols[ib])
-    exact_ties = tuple(
-        (o, pb2.ties[[v for v, _ in pb2.ties].index(j)][1]) for o, j in pa2.ties
-    )
+    b_in_of = dict(pb2.ties)  # B's output axis → its tied input axis
+    exact_ties = tuple((o, b_in_of[j]) for o, j in pa2.ties)
     if exact_ties != full.ties or n_u != full.n_in_free or len(keys) == size:
         return None
     lookup = np.empty(size, np.int64)
@@ -1236,7 +1235,7 @@ def _routed(pa, pb, a_val: bool, b_val: bool):
     `(entrywise, conv_a, conv_b, pa, pb, a_val, b_val, coo)` with the operands
     converted for the plan, entry by entry over coordinates when `entrywise`, else by
     `product_plan` over dense free parts. `coo` holds the coordinate operands
-    `(pa, pb, a_val, b_val)` of a product that runs densely although both sides have
+    `(pa, pb)` of a product that runs densely although both sides have
     coordinates, else `None`."""
     from ._band import unbanded
 
@@ -1249,7 +1248,7 @@ def _routed(pa, pb, a_val: bool, b_val: bool):
     if isinstance(pa, CooPattern) and isinstance(pb, CooPattern):
         if not dense_is_better(pa, pb):
             return True, conv_a, conv_b, pa, pb, a_val, b_val, None
-        coo = (pa, pb, a_val, b_val)
+        coo = (pa, pb)
         # Dense free parts: sparse operands go to labeled form, labeled ones stay.
         pa, pb, a_val, b_val = originals
         conv_a = conv_b = None
