@@ -1,7 +1,8 @@
 """Every use of JAX internals, in one place.
 
-Checked against JAX 0.10.2. Everything else in the package uses public API
-(`jax`, `jax.lax`, `jax.extend.core`).
+Checked against JAX 0.10.2; the scan parameters also against JAX 0.11.2 (whose
+`scan` packs its operand counts in `ft_in`). Everything else in the package uses
+public API (`jax`, `jax.lax`, `jax.extend.core`).
 """
 
 from __future__ import annotations
@@ -124,6 +125,17 @@ def inner_jaxpr(eqn) -> tuple[Any, list] | None:
     if isinstance(closed, ClosedJaxpr):
         return closed.jaxpr, list(closed.consts)
     return closed, []
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """How many of a `scan` equation's operands are consts and how many carries.
+
+    JAX 0.10 names both counts in the params; JAX 0.11 replaces them with `ft_in`,
+    the operands' structure packed as (consts, carries, scanned inputs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def custom_call_jaxpr(eqn):

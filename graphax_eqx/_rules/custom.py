@@ -234,7 +234,7 @@ def _scan_facts(eqn, deps: list) -> list:
     """`_seed_facts` through a scan: its body, with the carries' facts joined with
     what the body gives them until they settle."""
     body = eqn.params["jaxpr"].jaxpr
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    n_consts, n_carry = jp.scan_counts(eqn.params)
     facts = list(deps)
     while True:
         outs = _seed_facts(body, facts)
@@ -463,9 +463,7 @@ def _bodies_reached(prim, params, active: list[bool]) -> list:
     the `active` operands reach: a loop's carries to a fixed point."""
     if prim is lax.scan_p:
         body = params["jaxpr"].jaxpr
-        return [
-            (body, _carried(body, active, params["num_consts"], params["num_carry"]))
-        ]
+        return [(body, _carried(body, active, *jp.scan_counts(params)))]
     if prim is lax.while_p:  # the predicate has no derivative
         body = params["body_jaxpr"].jaxpr
         operands = active[params["cond_nconsts"] :]
