@@ -287,3 +287,32 @@ def test_loops_holding_a_custom_vjp_keep_the_dense_path(order, maps):
         _close(gx.jacve(fn, order=order)(x), expected, jnp.float32)
         _close(jax.jit(gx.jacve(fn, order=order))(x), expected, jnp.float32)
     assert not maps
+
+
+def test_scan_operand_counts_in_either_params_form():
+    """A scan's consts and carries are counted from JAX 0.10's named counts and from
+    the packed operand structure (`ft_in`: consts, carries, scanned inputs) that JAX
+    0.11 records instead."""
+    from graphax_eqx import _jax_private as jp
+
+    def body(c, a):
+        return (c[0] * a, c[1] + k), c[0]
+
+    k = jnp.arange(2.0, dtype=jnp.float32)  # closed over: the scan's one const
+    carry = (jnp.float32(1.0), jnp.zeros(2, jnp.float32))
+    closed = jax.make_jaxpr(lambda c, xs: lax.scan(body, c, xs))(
+        carry, jnp.ones(3, jnp.float32)
+    )
+    (eqn,) = [e for e in closed.eqns if e.primitive is lax.scan_p]
+    n_consts, n_carry = jp.scan_counts(eqn.params)
+    assert (n_consts, n_carry, len(eqn.invars) - n_consts - n_carry) == (1, 2, 1)
+
+    class Packed:  # the interface of JAX 0.11's `FlatTree` that is read
+        def __init__(self, *parts):
+            self.parts = parts
+
+        def unpack(self):
+            return self.parts
+
+    packed = {"ft_in": Packed([None] * 3, [None] * 2, [None])}
+    assert jp.scan_counts(packed) == (3, 2)
