@@ -369,7 +369,7 @@ class OrderSearch:
             "baselines": {k: v.num_muls for k, v in self.baselines.items()},
             "measured": self.measured,
             "machine": self.machine,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "created": datetime.datetime.now(datetime.UTC).isoformat(),
         }
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
