@@ -349,39 +349,105 @@ def _scatter(primals, active, **params):
                 "`jax.jacrev` refuse it too). Write it as "
                 "`x.at[idx].set(fn(x[idx]))`, which has one."
             ) from error
-    out = lax.scatter_p.bind(*primals, **params)
-    shape = shape_of(out)
+    shape = shape_of(primals[0])
+    dtype = primals[0].dtype
     partials = {}
-    if active[0]:
-        mask = lax.scatter_p.bind(
-            jnp.ones_like(operand), indices, jnp.zeros_like(updates), **params
-        )
-        partials[(0, 0)] = diagonal(mask, shape, out.dtype)
+    kept = None
     if active[2]:
         args = [jnp.zeros_like(operand), indices, updates]
-        # Where several updates land on one output, the one the scatter keeps.
-        partial = _index_map_in(lax.scatter_p, params, args, 2, shape, out.dtype)
-        if partial is None:
-            partial = _kept_updates_map(params, indices, updates, shape, out.dtype)
+        partial, kept = _kept_updates(params, args, shape, dtype)
         partials[(0, 2)] = partial
+    mask = None
+    if active[0] or kept is not None:
+        mask = _scatter_mask(params, indices, updates, shape)
+    if kept is None or mask is None:
+        out = lax.scatter_p.bind(*primals, **params)
+    else:
+        # Updates that collide: the value is built from the same kept updates as
+        # the partial, so value and Jacobian agree on backends (GPUs) where which
+        # colliding write wins is unspecified. Adding -0.0 is exact for every value.
+        minus_zero = lax.full_like(updates, -0.0)
+        out = _add_scattered(
+            params,
+            lax.select(mask, operand, lax.full_like(operand, -0.0)),
+            indices,
+            lax.select(kept, updates, minus_zero),
+        )
+    if active[0] and mask is not None:
+        partials[(0, 0)] = diagonal(mask.astype(dtype), shape, dtype)
     return [out], partials
 
 
+def _scatter_mask(params, indices, updates, out_shape):
+    """Where a scatter keeps its operand: `True` except at written positions."""
+    ones = jnp.ones(out_shape, np.int8)
+    written = lax.scatter_p.bind(
+        ones, indices, jnp.zeros(shape_of(updates), np.int8), **params
+    )
+    return written == 1
+
+
+def _kept_updates(params, args, out_shape, dtype):
+    """A scatter's partial w.r.t. its updates, and which updates it keeps.
+
+    The kept updates are `None` when no two updates can land on one output (every
+    update is kept), else a boolean array shaped like the updates.
+    """
+    indices, upd_shape = args[1], shape_of(args[2])
+    if _small_enough(upd_shape, out_shape) and jp.is_concrete(indices):
+        with jax.ensure_compile_time_eval():
+            won = _written_ids(params, indices, out_shape, upd_shape)
+        src = np.asarray(won).reshape(-1).astype(np.int64) - 1
+        partial = _copy_partial(src, out_shape, upd_shape, dtype)
+        n_upd = math.prod(upd_shape)
+        landed = src[src >= 0]
+        if landed.size == n_upd or params.get("unique_indices"):
+            return partial, None
+        kept = np.zeros(n_upd, bool)
+        kept[landed] = True
+        return partial, kept.reshape(upd_shape)
+    partial, kept = _kept_updates_map(params, indices, args[2], out_shape, dtype)
+    return partial, None if params.get("unique_indices") else kept
+
+
+def _add_scattered(params, operand, indices, updates):
+    """A scatter-add with the index layout of a scatter's `params`.
+
+    (Binding `scatter_add_p` with a scatter's own params would not do: their
+    `update_jaxpr` is `None`, which lowers to a scatter that overwrites.)
+    """
+    return lax.scatter_add(
+        operand,
+        indices,
+        updates,
+        params["dimension_numbers"],
+        indices_are_sorted=params["indices_are_sorted"],
+        unique_indices=False,
+        mode=params["mode"],
+    )
+
+
+def _written_ids(params, indices, out_shape, upd_shape):
+    """The 1-based flat id of the update a scatter writes to each output (0 where
+    none lands). Where updates collide, the backend decides which one is written."""
+    ids = lax.iota(np.int32, math.prod(upd_shape)).reshape(upd_shape) + 1
+    zeros = jnp.zeros(out_shape, np.int32)
+    return lax.scatter_p.bind(zeros, indices, ids, **dict(params, unique_indices=False))
+
+
 def _kept_updates_map(params, indices, updates, out_shape, dtype):
-    """A scatter's partial w.r.t. its updates, for indices known only at run time.
+    """A scatter's partial w.r.t. its updates, and the updates it keeps, for indices
+    known only at run time.
 
     Updates that a later one overwrites are dropped first, so the map is a
     scatter-add (which JAX transposes for any indices) of the updates that are kept.
     """
     upd_shape = shape_of(updates)
-    add_params = dict(params, unique_indices=False)
     ids = lax.iota(np.int32, math.prod(upd_shape)).reshape(upd_shape) + 1
-    kept_id = lax.scatter_p.bind(
-        jnp.zeros(out_shape, np.int32), indices, ids, **add_params
-    )
+    kept_id = _written_ids(params, indices, out_shape, upd_shape)
     zeros = jnp.zeros(out_shape, np.float32)
     gather = jax.linear_transpose(
-        lambda u: lax.scatter_add_p.bind(zeros, indices, u, **add_params),
+        lambda u: _add_scattered(params, zeros, indices, u),
         jax.ShapeDtypeStruct(upd_shape, np.float32),
     )
     # The id kept at each update's destination, read back in two exact halves.
@@ -393,9 +459,9 @@ def _kept_updates_map(params, indices, updates, out_shape, dtype):
 
     def fn(t):
         t = lax.select(kept, t, lax.full_like(t, 0))
-        return lax.scatter_add_p.bind(out_zeros, indices, t, **add_params)
+        return _add_scattered(params, out_zeros, indices, t)
 
-    return linear_map(fn, upd_shape, out_shape, dtype)
+    return linear_map(fn, upd_shape, out_shape, dtype), kept
 
 
 @register(lax.pad_p)
