@@ -598,6 +598,16 @@ def rebind_const_operands(params: dict) -> dict | None:
 
     def made(*zeros):
         jaxpr, consts, out_zeros = remembered.thunk.call_wrapped(*zeros[num_consts:])
+        if len(consts) != len(jaxpr.constvars):
+            raise NotImplementedError(
+                "The JVP rule of a `jax.custom_jvp` function reads an array passed in "
+                "its `nondiff_argnums` that was computed inside the differentiated "
+                f"function, and JAX {jax.__version__} records that rule in a form "
+                "vertex elimination cannot re-read. Pass the array as an ordinary "
+                "argument of the `custom_jvp` function instead (JAX recommends "
+                "`nondiff_argnums` for non-array values only) and ignore its tangent "
+                "in the rule."
+            )
         binders: list = [None] * num_consts
         constvars, kept = [], []
         for var, value in zip(jaxpr.constvars, consts, strict=True):

@@ -740,6 +740,39 @@ def test_rules_are_decided_per_static_argument():
         gx.jacve(clipping)(x)
 
 
+def test_custom_jvp_rule_recorded_in_an_unknown_form(monkeypatch):
+    """Where a JAX version records the JVP rule of a traced `nondiff_argnums` array
+    with consts that do not line up with its jaxpr's, the error says what to do."""
+    from graphax_eqx import _jax_private
+
+    class Misaligned(_jax_private._ConstOperands):
+        def __init__(self, thunk, const_vars):
+            class Thunk:
+                debug_info = thunk.debug_info
+
+                @staticmethod
+                def call_wrapped(*zeros):
+                    jaxpr, consts, out_zeros = thunk.call_wrapped(*zeros)
+                    return jaxpr, [*consts, jnp.zeros(())], out_zeros
+
+            super().__init__(Thunk, const_vars)
+
+    monkeypatch.setattr(_jax_private, "_ConstOperands", Misaligned)
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+    def scaled_sin(k, x):
+        return jnp.sin(x) * k
+
+    @scaled_sin.defjvp
+    def _(k, primals, tangents):
+        (x,), (t,) = primals, tangents
+        return scaled_sin(k, x), jnp.cos(x) * k * t
+
+    x = jnp.array([0.1, 0.2, 0.3])
+    with pytest.raises(TypeError, match="custom_jvp.*ordinary argument"):
+        gx.jacve(lambda x: scaled_sin(2.0 * x, x))(x)
+
+
 @pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "auto"])
 def test_custom_jvp_with_traced_nondiff_arguments(order):
     """A `nondiff_argnums` argument that is traced (computed inside the function, or
