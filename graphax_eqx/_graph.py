@@ -116,6 +116,16 @@ def inline(closed_jaxpr) -> Program:
                 outs.append(vid)
                 if not isinstance(var, jp.DropVar):
                     env[var] = vid
+            reduction = jp.positional_reduction(eqn.primitive, eqn.params)
+            if reduction is not None and not any(isinstance(a, Lit) for a in ins):
+                # A collective over positional axes only (a `vmap` with an axis
+                # name, traced): a plain reduction of each operand.
+                axes = tuple(eqn.params["axes"])
+                for atom, out, var in zip(ins, outs, eqn.invars, strict=True):
+                    shape = tuple(int(d) for d in var.aval.shape)
+                    params = jp.reduction_params(reduction, axes, shape, var.aval.dtype)
+                    eqns.append(Eqn(reduction, params, (atom,), (out,)))
+                continue
             params = dict(eqn.params)
             if eqn.primitive is jp.custom_jvp_call_p:
                 params = jp.remember_const_operands(params, eqn.invars)

@@ -101,6 +101,55 @@ def _collectives() -> frozenset:
 
 # Collectives over the axes of `shard_map`, `pmap` or `vmap(axis_name=...)`.
 COLLECTIVES = _collectives()
+def _positional_reductions() -> dict:
+    from jax._src.lax import parallel as _parallel
+
+    pairs = {
+        "psum_p": lax.reduce_sum_p,
+        "pmax_p": lax.reduce_max_p,
+        "pmin_p": lax.reduce_min_p,
+    }
+    return {
+        getattr(_parallel, name): red
+        for name, red in pairs.items()
+        if isinstance(getattr(_parallel, name, None), jex_core.Primitive)
+    }
+
+
+_POSITIONAL_REDUCTIONS = _positional_reductions()
+
+
+def positional_reduction(prim, params: dict):
+    """The reduction (`reduce_sum`, `reduce_max`, `reduce_min`) that a `psum`,
+    `pmax` or `pmin` is when every axis it reduces is positional, as after tracing
+    `vmap(..., axis_name=...)` inside the function; else `None`."""
+    red = _POSITIONAL_REDUCTIONS.get(prim)
+    axes = params.get("axes")
+    if (
+        red is None
+        or params.get("axis_index_groups") is not None
+        or not isinstance(axes, tuple)
+        or not all(isinstance(a, int) for a in axes)
+    ):
+        return None
+    return red
+
+
+@functools.lru_cache(maxsize=256)
+def reduction_params(prim, axes: tuple[int, ...], shape: tuple, dtype) -> dict:
+    """The params this JAX version gives `prim` (a reduction) over `axes`."""
+    bound = {
+        lax.reduce_sum_p: lax.reduce_sum,
+        lax.reduce_max_p: lax.reduce_max,
+        lax.reduce_min_p: lax.reduce_min,
+    }[prim]
+    jaxpr = jax.make_jaxpr(lambda x: bound(x, axes))(
+        jax.ShapeDtypeStruct(shape, dtype)
+    )
+    (eqn,) = jaxpr.jaxpr.eqns
+    return dict(eqn.params)
+
+
 # Primitives whose bodies bind their own mapped axes (`pmap` is a `shard_map` too).
 MAPS = frozenset(p for p in (shard_map_p,) if p is not None)
 

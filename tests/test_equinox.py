@@ -572,3 +572,39 @@ def test_complex_leaves_are_differentiated_as_equinox_does(order):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(TypeError, match="complex leaves"):
         gx.filter_jacve(field, sparse_representation=True)(params)
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "auto"])
+def test_batch_norm_in_training_mode(order):
+    # `BatchNorm` normalises over `vmap(..., axis_name=...)` with `pmean`: its
+    # batch statistics depend on every parameter before it.
+    class Model(eqx.Module):
+        linear: eqx.nn.Linear
+        norm: eqx.nn.BatchNorm
+
+        def __init__(self, key):
+            self.linear = eqx.nn.Linear(3, 4, key=key)
+            self.norm = eqx.nn.BatchNorm(4, axis_name="batch", mode="batch")
+
+        def __call__(self, x, state):
+            y, state = self.norm(self.linear(x), state)
+            return jnp.tanh(y), state
+
+    model, state = eqx.nn.make_with_state(Model)(jr.PRNGKey(0))
+    x = jr.normal(jr.PRNGKey(1), (8, 3))
+
+    def loss(model, x, state):
+        out, state = jax.vmap(
+            model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+        )(x, state)
+        return jnp.sum(out**2), state
+
+    (value, _), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, x, state)
+    (got_value, _), got = gx.filter_value_and_jacve(loss, order=order, has_aux=True)(
+        model, x, state
+    )
+    np.testing.assert_allclose(got_value, value, rtol=1e-6)
+    assert _tree_allclose(got, grads, rtol=1e-5, atol=1e-6)
+    wrt_x = gx.jacve(lambda x: loss(model, x, state)[0], order=order)(x)
+    want = jax.grad(lambda x: loss(model, x, state)[0])(x)
+    np.testing.assert_allclose(wrt_x, want, rtol=1e-5, atol=1e-6)

@@ -183,3 +183,58 @@ def test_collectives_over_a_mapped_axis_are_refused(order):
     got = jax.vmap(graphax_eqx.jacve(g, order=order), axis_name="i")(x, x)
     want = jax.vmap(jax.jacrev(g), axis_name="i")(x, x)
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _vmapped(fn):
+    return lambda x: jax.vmap(fn, axis_name="b")(x)
+
+
+_INNER_COLLECTIVES = [
+    # (function, the same function written with reductions)
+    (
+        _vmapped(lambda v: jnp.sin(v) - jax.lax.pmean(v**2, "b")),
+        lambda x: jnp.sin(x) - jnp.mean(x**2),
+    ),
+    (
+        _vmapped(lambda v: jnp.sin(v) - jax.lax.pmax(v**2, "b") + jax.lax.pmin(v, "b")),
+        lambda x: jnp.sin(x) - jnp.max(x**2) + jnp.min(x),
+    ),
+    (
+        _vmapped(lambda v: v * sum(jax.lax.psum((v**2, jnp.cos(v)), "b"))),
+        lambda x: x * (jnp.sum(x**2) + jnp.sum(jnp.cos(x))),
+    ),
+    (
+        lambda x: jax.vmap(
+            jax.vmap(lambda v: v * jax.lax.psum(v**2, ("i", "j")), axis_name="j"),
+            axis_name="i",
+        )(x.reshape(2, 3)).reshape(-1),
+        lambda x: x * jnp.sum(x**2),
+    ),
+    (
+        lambda x: jax.lax.scan(
+            lambda c, _: (
+                _vmapped(lambda v: jnp.sin(v) * jax.lax.pmean(v, "b"))(c),
+                None,
+            ),
+            x,
+            length=3,
+        )[0],
+        lambda x: jax.lax.scan(
+            lambda c, _: (jnp.sin(c) * jnp.mean(c), None), x, length=3
+        )[0],
+    ),
+]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "auto"])
+@pytest.mark.parametrize("fun, plain", _INNER_COLLECTIVES)
+def test_collectives_over_an_axis_mapped_inside_are_reductions(fun, plain, order, jit):
+    # A `vmap(..., axis_name=...)` traced inside the function leaves collectives
+    # over positional axes: plain sums, maxima and minima (`eqx.nn.BatchNorm` in
+    # training mode). JAX has no derivative of `pmax`/`pmin`; compare with the
+    # reductions they are.
+    x = jnp.array([1.0, 2.0, 0.5, -1.5, 0.25, 3.0])
+    jac = graphax_eqx.jacve(fun, order=order)
+    got = (jax.jit(jac) if jit else jac)(x)
+    np.testing.assert_allclose(got, jax.jacfwd(plain)(x), rtol=1e-6, atol=1e-6)

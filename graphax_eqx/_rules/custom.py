@@ -398,7 +398,7 @@ def check_rules_inside(prim, params, active: Sequence[bool]) -> None:
     Also refuse a collective over mapped axes that an active operand reaches, here or
     in a body, unless a nested `shard_map` binds those axes (see `_collective_error`).
     """
-    if prim in jp.COLLECTIVES:
+    if prim in jp.COLLECTIVES and jp.positional_reduction(prim, params) is None:
         raise _collective_error(prim)
     if (
         prim in _CUSTOM_CALLS
@@ -434,7 +434,11 @@ def _reach(
     for eqn in jaxpr.eqns:
         deps = [not isinstance(v, jp.Literal) and env.get(v, False) for v in eqn.invars]
         if check and any(deps):
-            if collectives and eqn.primitive in jp.COLLECTIVES:
+            if (
+                collectives
+                and eqn.primitive in jp.COLLECTIVES
+                and jp.positional_reduction(eqn.primitive, eqn.params) is None
+            ):
                 raise _collective_error(eqn.primitive)
             if eqn.primitive in _CUSTOM_CALLS:
                 types = [
