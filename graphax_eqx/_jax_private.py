@@ -101,6 +101,8 @@ def _collectives() -> frozenset:
 
 # Collectives over the axes of `shard_map`, `pmap` or `vmap(axis_name=...)`.
 COLLECTIVES = _collectives()
+
+
 def _positional_reductions() -> dict:
     from jax._src.lax import parallel as _parallel
 
@@ -143,9 +145,7 @@ def reduction_params(prim, axes: tuple[int, ...], shape: tuple, dtype) -> dict:
         lax.reduce_max_p: lax.reduce_max,
         lax.reduce_min_p: lax.reduce_min,
     }[prim]
-    jaxpr = jax.make_jaxpr(lambda x: bound(x, axes))(
-        jax.ShapeDtypeStruct(shape, dtype)
-    )
+    jaxpr = jax.make_jaxpr(lambda x: bound(x, axes))(jax.ShapeDtypeStruct(shape, dtype))
     (eqn,) = jaxpr.jaxpr.eqns
     return dict(eqn.params)
 

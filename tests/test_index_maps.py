@@ -1335,6 +1335,28 @@ def test_window_chooser_with_nan_and_infinite_entries(order, sparse, reducer):
 
 
 @pytest.mark.parametrize("order", _ORDERS)
+def test_cumulative_sums_of_constants_are_left_to_run_time(order):
+    # A cumulative sum meeting a pure index map is applied to a constant, which XLA
+    # would fold at compile time in time quadratic in the axis length (3 s for 400
+    # rows of 1,200). Each one reads its operand through an optimisation barrier.
+    def f(u):
+        return jnp.cumsum(jnp.sin(u))[::3] + jnp.cumsum(u[::-1] * u)[1:-2:2].sum()
+
+    x = _uniform((30,))
+    jaxpr = jax.make_jaxpr(graphax_eqx.jacve(f, order=order))(x).jaxpr
+    made_by = {v: e.primitive.name for e in jaxpr.eqns for v in e.outvars}
+    # The function's own sums are of vectors; those of the partials, of matrices.
+    sums = [
+        e
+        for e in jaxpr.eqns
+        if e.primitive is lax.cumsum_p and len(e.invars[0].aval.shape) > 1
+    ]
+    assert sums
+    assert all(made_by.get(e.invars[0]) == "optimization_barrier" for e in sums)
+    _assert_close(graphax_eqx.jacve(f, order=order)(x), jax.jacfwd(f)(x))
+
+
+@pytest.mark.parametrize("order", _ORDERS)
 def test_tiled_pooling_reduces_over_split_axes(order):
     """Max, min and average pooling whose windows tile the input (any remainder
     dropped) run as a reduction over axes split off the pooled ones: the same
