@@ -244,7 +244,7 @@ class CooTensor(BlockShape, eqx.Module):
         for k, axis in enumerate(p.in_free):
             index[:, :, nout + axis] = in_c[k][None, :]
         data = _full_val(self, p)
-        index = index.reshape(-1, len(p.shape)).astype(
+        index = index.reshape(ntie * p.nnz, len(p.shape)).astype(
             _index_dtype(max(p.shape, default=1))
         )
         return jsparse.BCOO((data.reshape(-1), jnp.asarray(index)), shape=p.shape)

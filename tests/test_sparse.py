@@ -28,6 +28,9 @@ _CASES = {
     "reduce_sum_axis": (lambda w: jnp.sum(w, axis=0), (_W,), 0),
     "broadcast": (lambda x: jnp.broadcast_to(x, (3, 4)), (_X,), 0),
     "chain": (lambda w, x: jnp.tanh(w @ jnp.sin(x)), (_W, _X), (0, 1)),
+    # Zero blocks between scalars: no entry at all.
+    "scalar_unused": (lambda x, s: 2.0 * x, (jnp.array(1.5), jnp.array(3.0)), (0, 1)),
+    "scalar_constant": (lambda x: jnp.zeros(()) + 1.0, (jnp.array(1.5),), 0),
 }
 
 
