@@ -1356,7 +1356,7 @@ def test_cumulative_sums_of_constants_are_left_to_run_time(order):
     _assert_close(graphax_eqx.jacve(f, order=order)(x), jax.jacfwd(f)(x))
 
 
-@pytest.mark.parametrize("order", _ORDERS)
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])  # `auto` picks one
 def test_tiled_pooling_reduces_over_split_axes(order):
     """Max, min and average pooling whose windows tile the input (any remainder
     dropped) run as a reduction over axes split off the pooled ones: the same
