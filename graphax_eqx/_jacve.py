@@ -1248,7 +1248,7 @@ class Graph:
         Computed from the structure alone, without any arithmetic.
         """
         spec = normalise_order(order, "Graph.counts")
-        ids = resolve(spec, self._sim, self._structure)
+        ids = resolve(spec, self._sim, self._structure, "Graph.counts")
         muls, adds, per = simulate(self._sim, ids)
         return {"num_muls": muls, "num_adds": adds, "order": ids, "order_counts": per}
 

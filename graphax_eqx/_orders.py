@@ -125,11 +125,13 @@ def normalise_order(order, api: str = "jacve"):
             + "Pass a string such as 'rev' or a list or tuple of vertex ids in "
             "elimination order (see `graphax_eqx.make_graph`)."
         )
-    ids = (
-        tuple(np.asarray(order).reshape(-1).tolist())
-        if isinstance(order, np.ndarray)
-        else tuple(order)
-    )
+    if isinstance(order, np.ndarray) and order.ndim != 1:
+        raise TypeError(
+            f"`{api}` got an explicit order of shape {order.shape}; pass a flat "
+            "sequence of vertex ids in elimination order (see "
+            "`graphax_eqx.make_graph`)."
+        )
+    ids = tuple(order.tolist()) if isinstance(order, np.ndarray) else tuple(order)
     bad = [i for i in ids if isinstance(i, bool) or not _is_int(i)]
     if bad:
         raise TypeError(
@@ -159,8 +161,15 @@ def complete(order: tuple[int, ...], structure) -> tuple[int, ...]:
     return tuple(order) + tuple(producers)
 
 
-def validate(order: tuple[int, ...], intermediates: Sequence[int], outputs, inputs):
-    """Raise a `ValueError` naming what is wrong with an explicit order."""
+def validate(
+    order: tuple[int, ...],
+    intermediates: Sequence[int],
+    outputs,
+    inputs,
+    api: str = "jacve",
+):
+    """Raise a `ValueError` naming what is wrong with an explicit order (`api` names
+    the function in the message)."""
     expected = set(intermediates)
     seen, duplicates = set(), []
     for v in order:
@@ -191,7 +200,7 @@ def validate(order: tuple[int, ...], intermediates: Sequence[int], outputs, inpu
         lo, hi = (min(expected), max(expected)) if expected else (None, None)
         span = f"the ids {lo}..{hi}" if expected else "no ids (the graph has none)"
         raise ValueError(
-            "`jacve` got an invalid elimination order: "
+            f"`{api}` got an invalid elimination order: "
             + "; ".join(problems)
             + f". An explicit order must list each intermediate vertex exactly once: "
             f"here {span} (vertices that produce an output may be left out; they are "
@@ -347,14 +356,17 @@ _HEURISTIC_STEPS: dict[str, Callable[[Simulator], Iterator[Step]]] = {
 }
 
 
-def resolve(name_or_ids, sim_graph: EdgeGraph, structure) -> list[int]:
-    """The explicit vertex order for an order argument."""
+def resolve(
+    name_or_ids, sim_graph: EdgeGraph, structure, api: str = "jacve"
+) -> list[int]:
+    """The explicit vertex order for an order argument (`api` names the function in
+    error messages)."""
     inter = list(structure.intermediates)
     if isinstance(name_or_ids, Order):
         found = graph_fingerprint(sim_graph, structure)
         if found != name_or_ids.fingerprint:
             raise ValueError(
-                "`jacve` got an order made for a different computational graph "
+                f"`{api}` got an order made for a different computational graph "
                 f"(the order's fingerprint is {name_or_ids.fingerprint[:12]}, this "
                 f"function's graph has {found[:12]}). The function, its argument "
                 "shapes or dtypes, or `argnums` changed since the order was searched. "
@@ -364,7 +376,7 @@ def resolve(name_or_ids, sim_graph: EdgeGraph, structure) -> list[int]:
         name_or_ids = name_or_ids.ids
     if isinstance(name_or_ids, tuple):
         ids = complete(name_or_ids, structure)
-        validate(ids, inter, structure.outputs, structure.inputs)
+        validate(ids, inter, structure.outputs, structure.inputs, api)
         return list(ids)
     if name_or_ids == "fwd":
         return inter

@@ -156,7 +156,7 @@ def elimination_cost(
 
     def cost(*args, **kwargs) -> EliminationCost:
         pat = _patterns(fun, argnums, has_aux, args, kwargs, "elimination_cost")
-        ids = resolve(spec, pat.graph, pat.structure)
+        ids = resolve(spec, pat.graph, pat.structure, "elimination_cost")
         sim = Simulator(pat.graph, pat.structure.intermediates)
         return _full_cost(sim, ids, pat.graph_adds, pat.fingerprint)
 

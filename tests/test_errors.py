@@ -143,6 +143,21 @@ def test_explicit_order_input_vertex():
         graphax_eqx.jacve(_f, order=ids + [inputs[0]])(_x())
 
 
+def test_explicit_order_errors_name_the_function_called():
+    _, ids = _intermediates()
+    order = ids[1:]
+    with pytest.raises(ValueError, match=r"^`elimination_cost` got an invalid"):
+        graphax_eqx.elimination_cost(_f, order=order)(_x())
+    with pytest.raises(ValueError, match=r"^`Graph.counts` got an invalid"):
+        graphax_eqx.make_graph(_f)(_x()).counts(order)
+
+
+def test_explicit_order_must_be_flat():
+    _, ids = _intermediates()
+    with pytest.raises(TypeError, match=r"shape \(1, \d+\).*flat"):
+        graphax_eqx.jacve(_f, order=np.asarray([ids]))(_x())
+
+
 def test_integer_output_type_error():
     # As with `jax.jacrev`, only real floating outputs have a Jacobian.
     with pytest.raises(TypeError, match=r"int"):
