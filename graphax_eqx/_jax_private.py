@@ -648,7 +648,7 @@ def rebind_const_operands(params: dict) -> dict | None:
     def made(*zeros):
         jaxpr, consts, out_zeros = remembered.thunk.call_wrapped(*zeros[num_consts:])
         if len(consts) != len(jaxpr.constvars):
-            raise NotImplementedError(
+            raise TypeError(
                 "The JVP rule of a `jax.custom_jvp` function reads an array passed in "
                 "its `nondiff_argnums` that was computed inside the differentiated "
                 f"function, and JAX {jax.__version__} records that rule in a form "
