@@ -740,6 +740,17 @@ def test_rules_are_decided_per_static_argument():
         gx.jacve(clipping)(x)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _nondiff_scaled_sin(k, x):
+    return jnp.sin(x) * k
+
+
+@_nondiff_scaled_sin.defjvp
+def _nondiff_scaled_sin_jvp(k, primals, tangents):
+    (x,), (t,) = primals, tangents
+    return _nondiff_scaled_sin(k, x), jnp.cos(x) * k * t
+
+
 def test_custom_jvp_rule_recorded_in_an_unknown_form(monkeypatch):
     """Where a JAX version records the JVP rule of a traced `nondiff_argnums` array
     with consts that do not line up with its jaxpr's, the error says what to do."""
@@ -759,18 +770,9 @@ def test_custom_jvp_rule_recorded_in_an_unknown_form(monkeypatch):
 
     monkeypatch.setattr(_jax_private, "_ConstOperands", Misaligned)
 
-    @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-    def scaled_sin(k, x):
-        return jnp.sin(x) * k
-
-    @scaled_sin.defjvp
-    def _(k, primals, tangents):
-        (x,), (t,) = primals, tangents
-        return scaled_sin(k, x), jnp.cos(x) * k * t
-
     x = jnp.array([0.1, 0.2, 0.3])
     with pytest.raises(TypeError, match="custom_jvp.*ordinary argument"):
-        gx.jacve(lambda x: scaled_sin(2.0 * x, x))(x)
+        gx.jacve(lambda x: _nondiff_scaled_sin(2.0 * x, x))(x)
 
 
 @pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "auto"])
@@ -780,22 +782,13 @@ def test_custom_jvp_with_traced_nondiff_arguments(order):
     the function was; the rule reads it from the equation's operands instead, with
     no derivative through it, as in `jax.jacfwd`."""
 
-    @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-    def scaled_sin(k, x):
-        return jnp.sin(x) * k
-
-    @scaled_sin.defjvp
-    def _(k, primals, tangents):
-        (x,), (t,) = primals, tangents
-        return scaled_sin(k, x), jnp.cos(x) * k * t
-
     x = jnp.array([0.1, 0.2, 0.3])
     k = jnp.array([1.0, 2.0, 3.0])
     n = jnp.array([1, 2, 3])
     cases = [
-        (lambda x: scaled_sin(2.0 * x, x), (x,), 0),
-        (lambda x: scaled_sin(jnp.sum(x), x) + x, (x,), 0),
-        (lambda x, k: scaled_sin(k, x), (x, k), 0),
+        (lambda x: _nondiff_scaled_sin(2.0 * x, x), (x,), 0),
+        (lambda x: _nondiff_scaled_sin(jnp.sum(x), x) + x, (x,), 0),
+        (lambda x, k: _nondiff_scaled_sin(k, x), (x, k), 0),
         (jax.scipy.special.expn, (n, x + 1.0), 1),
         (lambda x: jax.scipy.special.expn(1 + (x > 0.15), x), (x,), 0),
     ]
@@ -810,9 +803,11 @@ def test_custom_jvp_with_traced_nondiff_arguments(order):
     # Mapped over a batch of `k`.
     ks = jnp.stack([k, 2 * k])
     xs = jnp.stack([x, x])
-    batched = jax.vmap(gx.jacve(lambda x, k: scaled_sin(k, x), order=order))(xs, ks)
+    batched = jax.vmap(gx.jacve(lambda x, k: _nondiff_scaled_sin(k, x), order=order))(
+        xs, ks
+    )
     assert_tree_matches(
-        batched, jax.vmap(jax.jacfwd(lambda x, k: scaled_sin(k, x)))(xs, ks)
+        batched, jax.vmap(jax.jacfwd(lambda x, k: _nondiff_scaled_sin(k, x)))(xs, ks)
     )
 
 
