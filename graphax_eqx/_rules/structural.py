@@ -369,9 +369,8 @@ def _scatter(primals, active, **params):
         args = [jnp.zeros_like(operand), indices, updates]
         partial, kept = _kept_updates(params, args, shape, dtype)
         partials[(0, 2)] = partial
-    mask = None
-    if active[0] or kept is not None:
-        mask = _scatter_mask(params, indices, updates, shape)
+    needs_mask = active[0] or kept is not None
+    mask = _scatter_mask(params, indices, updates, shape) if needs_mask else None
     if kept is None or mask is None:
         out = lax.scatter_p.bind(*primals, **params)
     else:
