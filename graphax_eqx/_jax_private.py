@@ -647,7 +647,12 @@ def rebind_const_operands(params: dict) -> dict | None:
 
     def made(*zeros):
         jaxpr, consts, out_zeros = remembered.thunk.call_wrapped(*zeros[num_consts:])
-        if len(consts) != len(jaxpr.constvars):
+        # The rule's jaxpr reads `consts` through its first inputs: its `constvars`
+        # on JAX 0.10, leading `invars` (consts not attached) on JAX 0.11.
+        inputs = [*jaxpr.constvars, *jaxpr.invars]
+        num_args = len(zeros) - num_consts
+        num_tangents = sum(not zero for zero in zeros[num_consts:])
+        if len(inputs) != len(consts) + num_args + num_tangents:
             raise TypeError(
                 "The JVP rule of a `jax.custom_jvp` function reads an array passed in "
                 "its `nondiff_argnums` that was computed inside the differentiated "
@@ -657,9 +662,10 @@ def rebind_const_operands(params: dict) -> dict | None:
                 "`nondiff_argnums` for non-array values only) and ignore its tangent "
                 "in the rule."
             )
+        const_inputs, invars = inputs[: len(consts)], inputs[len(consts) :]
         binders: list = [None] * num_consts
         constvars, kept = [], []
-        for var, value in zip(jaxpr.constvars, consts, strict=True):
+        for var, value in zip(const_inputs, consts, strict=True):
             k = position.get(id(getattr(value, "val", None)))
             if isinstance(value, Tracer) and k is not None and binders[k] is None:
                 binders[k] = var  # the closed-over value is this operand
@@ -677,8 +683,6 @@ def rebind_const_operands(params: dict) -> dict | None:
             for b, zero in zip(binders, zeros[:num_consts], strict=True)
             if not zero
         ]
-        num_args = len(zeros) - num_consts
-        invars = jaxpr.invars
         debug_info = jaxpr.debug_info
         new = jaxpr.replace(
             constvars=constvars,

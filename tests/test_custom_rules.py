@@ -673,6 +673,7 @@ def sharded_report():
     # A fresh process: the host device count must be set before JAX starts.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"  # the eight devices are host devices
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, "-c", _SHARDED_SCRIPT],
@@ -773,6 +774,41 @@ def test_custom_jvp_rule_recorded_in_an_unknown_form(monkeypatch):
     x = jnp.array([0.1, 0.2, 0.3])
     with pytest.raises(TypeError, match="custom_jvp.*ordinary argument"):
         gx.jacve(lambda x: _nondiff_scaled_sin(2.0 * x, x))(x)
+
+
+def test_custom_jvp_rule_with_consts_as_leading_inputs(monkeypatch):
+    """JAX 0.11 records the JVP rule's jaxpr with its consts read through leading
+    inputs rather than `constvars`. Stood in for on JAX 0.10 by moving them there."""
+    from jax._src.interpreters import partial_eval as pe
+
+    from graphax_eqx import _jax_private
+
+    num_consts = []
+
+    class Leading(_jax_private._ConstOperands):
+        def __init__(self, thunk, const_vars):
+            class Thunk:
+                debug_info = thunk.debug_info
+
+                @staticmethod
+                def call_wrapped(*zeros):
+                    jaxpr, consts, out_zeros = thunk.call_wrapped(*zeros)
+                    num_consts.append(len(consts))
+                    if jaxpr.constvars:
+                        jaxpr = pe.convert_constvars_jaxpr(jaxpr)
+                    return jaxpr, consts, out_zeros
+
+            super().__init__(Thunk, const_vars)
+
+    monkeypatch.setattr(_jax_private, "_ConstOperands", Leading)
+
+    x = jnp.array([0.1, 0.2, 0.3])
+    fun = lambda x: _nondiff_scaled_sin(jnp.sum(x) * x, x)
+    for order in ORDERS:
+        np.testing.assert_allclose(
+            gx.jacve(fun, order=order)(x), jax.jacfwd(fun)(x), rtol=1e-12
+        )
+    assert num_consts and all(num_consts)  # the traced `k` was read as a const
 
 
 @pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "auto"])

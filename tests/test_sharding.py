@@ -329,6 +329,7 @@ def test_sharded_inputs():
     # would stall the process not being read.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env["JAX_PLATFORMS"] = "cpu"  # the eight devices are host devices
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     runs = {}
     for kind in ("explicit", "auto"):
