@@ -447,6 +447,8 @@ def _clip(g):
     return jnp.clip(g, -1.0, 1.0)
 
 
+_MIX = jnp.array([[1.0, -2.0, 0.5, 3.0], [0.3, 1.0, -1.0, 2.0], [2.0, 0.1, 0.2, -0.7]])
+_MASK = jnp.array([True, False, True, False])
 # Bodies of rules, applied to the seed `g`: nonlinear in it, or linear.
 _NONLINEAR_BODIES = {  # name: (body, the primitive the error names)
     "sort": (jnp.sort, "sort"),
@@ -469,15 +471,64 @@ _NONLINEAR_BODIES = {  # name: (body, the primitive the error names)
         lambda g: lax.cond(jnp.all(g == 0), jnp.zeros_like, lambda g: 3.0 * g, g),
         "cond",
     ),
+    # Affine: a seed-independent value that is not zero added to (or placed beside)
+    # the seed, as a rule that injects a gradient term does.
+    "plus-one": (lambda g: g + 1.0, "add"),
+    "injected-term": (lambda g: 2.0 * g + _MIX[0], "add"),
+    "constant-case": (lambda g: jnp.where(_MASK, g, 1.0), "select_n"),
+    "set-to-one": (lambda g: g.at[0].set(1.0), "scatter"),
+    "padded-with-one": (lambda g: jnp.pad(g[1:], (1, 0), constant_values=1.0), "pad"),
+    "constant-block": (lambda g: jnp.concatenate([g[:2], _MIX[1, :2]]), "concatenate"),
+    # Primitives that pick or factor their operand's entries.
+    "windowed-max": (
+        lambda g: lax.reduce_window(g, -jnp.inf, lax.max, (2,), (1,), "SAME"),
+        "reduce_window_max",
+    ),
+    "scattered-max": (
+        lambda g: jnp.zeros(4).at[jnp.array([0, 0, 1, 2])].max(g),
+        "scatter-max",
+    ),
+    "segment-product": (
+        lambda g: jax.ops.segment_prod(g, jnp.array([0, 0, 1, 2]), 4),
+        "scatter-mul",
+    ),
+    "solve-by-the-seed": (
+        lambda g: jax.scipy.linalg.solve_triangular(
+            jnp.triu(jnp.ones((4, 1)) * g), jnp.ones(4)
+        ),
+        "triangular_solve",
+    ),
+    "factor-the-seed": (
+        lambda g: jnp.linalg.cholesky(jnp.ones((4, 1)) * g)[:, 0],
+        "cholesky",
+    ),
+    "coarse-rounding": (lambda g: lax.reduce_precision(g, 5, 2), "reduce_precision"),
+    "float8-round-trip": (
+        lambda g: g.astype(jnp.float8_e4m3fn).astype(g.dtype),
+        "convert_element_type",
+    ),
 }
-_MIX = jnp.array([[1.0, -2.0, 0.5, 3.0], [0.3, 1.0, -1.0, 2.0], [2.0, 0.1, 0.2, -0.7]])
 _LINEAR_BODIES = {
     "guarded-cases": lambda g: jnp.where(jnp.isnan(g), 2.0 * g, g),
     "checked": lambda g: eqx.error_if(2.0 * g, jnp.isnan(g).any(), "NaN cotangent"),
     "linear-cond": lambda g: lax.cond(True, lambda g: 2.0 * g, lambda g: g, g),
     "linear-scan": lambda g: lax.scan(lambda c, gi: (c + gi, c + gi), 0.0, g)[1],
     "contraction": lambda g: _MIX.T @ (_MIX @ g),
+    # Zeros beside the seed keep it linear.
+    "zero-case": lambda g: jnp.where(_MASK, g, 0.0),
+    "set-to-zero": lambda g: g.at[0].set(0.0),
+    "padded-with-zero": lambda g: jnp.pad(g[1:], (1, 0)),
+    # Residuals packed beside the seed in one buffer (as `ravel_pytree` packs them)
+    # and sliced apart again.
+    "packed-and-sliced": lambda g: (
+        jnp.cos(jnp.concatenate([_MIX[0], g])[:4]) * jnp.concatenate([_MIX[0], g])[4:]
+    ),
+    "packed-and-split": lambda g: _times(*jnp.split(jnp.concatenate([_MIX[1], g]), 2)),
 }
+
+
+def _times(residual, g):
+    return jnp.sin(residual) * g
 
 
 def _rules_with_body(body):
@@ -885,3 +936,68 @@ def test_custom_jvp_rule_closing_over_a_traced_value_is_a_clear_error():
             gx.jacve(fun)(x)
         with pytest.raises(TypeError, match="closes over a value computed"):
             jax.jit(gx.jacve(fun))(x)
+
+
+_REVERSED = False  # read by `_switched`'s rule: flipped by the test below
+
+
+@jax.custom_vjp
+def _switched(x):
+    return jnp.sin(x)
+
+
+def _switched_fwd(x):
+    return jnp.sin(x), x
+
+
+def _switched_bwd(x, g):
+    g = g[::-1] if _REVERSED else g
+    return (jnp.cos(x) * g,)
+
+
+_switched.defvjp(_switched_fwd, _switched_bwd)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_rules_are_read_again_when_what_they_read_changes(order):
+    """A rule whose structure follows a global flag is traced again after the flag
+    changes, eagerly and in a new `jit`, as `jax.jacrev` traces it again."""
+    global _REVERSED
+    x = jnp.array([0.1, 0.4, 0.9])
+    jac = gx.jacve(_switched, order=order)
+    try:
+        for flag in (False, True, False):
+            _REVERSED = flag
+            expected = jax.jacrev(_switched)(x)
+            np.testing.assert_allclose(jac(x), expected, rtol=1e-12)
+            np.testing.assert_allclose(jac(x), expected, rtol=1e-12)  # compiled
+            fresh = jax.jit(gx.jacve(_switched, order=order))
+            np.testing.assert_allclose(fresh(x), expected, rtol=1e-12)
+    finally:
+        _REVERSED = False
+
+
+def test_rules_that_cast_their_seed_to_bfloat16_are_accepted():
+    """Casting the seed to bfloat16 and back rounds it in its last bits only: the
+    rule counts as the linear map it approximates. `jax.jacrev` applies the rounding
+    to the cotangents that arrive, so the two agree to bfloat16's precision."""
+    x = jnp.array([0.5, -1.0, 1.5, 2.0])
+    by_vjp, by_jvp = _rules_with_body(lambda g: g.astype(jnp.bfloat16).astype(g.dtype))
+    for fun, reference in ((by_vjp, jax.jacrev), (by_jvp, jax.jacfwd)):
+        expected = reference(fun)(x)
+        for order in ("rev", "fwd"):
+            np.testing.assert_allclose(
+                gx.jacve(fun, order=order)(x), expected, rtol=1e-2, atol=1e-2
+            )
+
+
+def test_nextafter_has_no_derivative():
+    """JAX defines none; `jacve` says so rather than giving zero."""
+    x = jnp.array([0.5, 1.0])
+    with pytest.raises(TypeError, match="nextafter"):
+        gx.jacve(lambda x: jnp.nextafter(x, jnp.inf) * x)(x)
+    # Where no differentiated value reaches it, it is a constant.
+    np.testing.assert_allclose(
+        gx.jacve(lambda x: jnp.nextafter(jnp.ones(2), jnp.inf) * x)(x),
+        np.diag(np.nextafter(np.ones(2), np.inf)),
+    )

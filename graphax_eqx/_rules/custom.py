@@ -15,14 +15,17 @@ seed flowing through a nonlinear primitive, the rule is refused with an error.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
+import types
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import _jax_private as jp
@@ -69,6 +72,16 @@ def _sub_jaxpr(eqn):
     return None
 
 
+def _sub_closed(eqn):
+    """`_sub_jaxpr` with its consts, as (open jaxpr, consts), or None."""
+    inner = jp.inner_jaxpr(eqn)
+    if inner is not None:
+        return inner
+    if eqn.primitive in (jp.custom_jvp_call_p, jp.custom_vjp_call_p):
+        return jp.custom_call_jaxpr(eqn)
+    return None
+
+
 def _propagate(jaxpr, in_deps: list[_Dep], out_shape) -> list[_Dep]:
     """The dependence of each output of `jaxpr` on the seed, given its inputs'."""
 
@@ -92,15 +105,18 @@ def _propagate(jaxpr, in_deps: list[_Dep], out_shape) -> list[_Dep]:
 # seed may flow through them (and through data movement, sums and contractions with
 # a seed-independent operand); through anything else in `elementwise_primitives` or
 # `elementwise_zero`, through two operands of a product, or through an order
-# statistic, it does not.
+# statistic, it does not. Conversions between floating types and
+# `reduce_precision` round; to bfloat16's 8 significant bits or more they count as
+# the linear map they approximate, so that mixed-precision rules that cast their
+# seed pass (`jacve` is then the more precise), and to fewer as rounding.
 _LINEAR = {
     lax.add_p,
     jp.add_any_p,
     lax.sub_p,
     lax.neg_p,
-    lax.reduce_precision_p,
     lax.copy_p,
 }
+_MIN_MANTISSA_BITS = 7  # bfloat16's, not counting the implicit one
 # Nonlinear in any operand the seed reaches: they pick, order or multiply entries by
 # their values.
 _ORDER_STATISTICS = {
@@ -119,6 +135,82 @@ _ORDER_STATISTICS = {
     lax.cumprod_p,
     lax.cumlogsumexp_p,
 }
+# The same, by name: windowed and scattered maxima, collectives that pick, and the
+# matrix decompositions (nonlinear in the matrix they factor).
+_NONLINEAR_NAMES = {
+    "reduce_window_max",
+    "reduce_window_min",
+    "reduce_window",
+    "scatter-max",
+    "scatter-min",
+    "pmax",
+    "pmin",
+    "approx_top_k",
+    "nextafter",
+    "lu",
+    "qr",
+    "geqrf",
+    "geqp3",
+    "householder_product",
+    "svd",
+    "eig",
+    "eigh",
+    "cholesky",
+    "schur",
+    "hessenberg",
+    "tridiagonal",
+}
+# Operands (by position) that a primitive is nonlinear in, though linear in others:
+# the matrix of a triangular solve, the diagonals of a tridiagonal one, the entries a
+# windowed maximum compares, the factors a scattered product multiplies together.
+_NONLINEAR_IN = {
+    "triangular_solve": (0,),
+    "tridiagonal_solve": (0, 1, 2),
+    "select_and_scatter_add": (1,),
+    "select_and_gather_add": (1,),
+    "scatter-mul": (2,),
+}
+# Primitives that combine values additively or place them side by side: where the
+# seed reaches one of these operands (by position; `None`: all), another that does not
+# must be zero, or the result is affine, not linear, in the seed (`g + 1`,
+# `where(mask, g, 1.0)`, `g.at[0].set(1.0)`).
+_ADDITIVE: dict = {
+    lax.add_p: None,
+    jp.add_any_p: None,
+    lax.sub_p: None,
+    lax.select_n_p: slice(1, None),
+    lax.pad_p: (0, 1),
+    lax.dynamic_update_slice_p: (0, 1),
+    lax.scatter_p: (0, 2),
+    lax.scatter_add_p: (0, 2),
+    lax.scatter_sub_p: (0, 2),
+}
+# Zero in, zero out: data movement and linear maps of one operand.
+_KEEP_ZERO = {
+    lax.broadcast_in_dim_p,
+    lax.reshape_p,
+    lax.squeeze_p,
+    lax.transpose_p,
+    lax.rev_p,
+    lax.slice_p,
+    lax.dynamic_slice_p,
+    lax.gather_p,
+    lax.copy_p,
+    lax.convert_element_type_p,
+    lax.reduce_precision_p,
+    lax.neg_p,
+    lax.reduce_sum_p,
+    lax.cumsum_p,
+    lax.real_p,
+    lax.imag_p,
+    lax.conj_p,
+    lax.sharding_constraint_p,
+    lax.reduce_window_sum_p,
+}
+# The same, by name: placement on devices.
+_KEEP_ZERO_NAMES = {"reshard", "device_put", "mesh_cast", "pvary", "pcast"}
+# Zero where any operand is.
+_PRODUCTS = {lax.mul_p, lax.dot_general_p, lax.conv_general_dilated_p}
 # Equality tests of the seed (against zero, or `g != g` for NaN) guard a rule
 # (`eqx.error_if` raising on a NaN cotangent): their results hold `_GUARD`, which may
 # pick between cases that are all linear in the seed, or steer a `cond` whose other
@@ -128,14 +220,49 @@ _GUARD = "guard"  # the fact of a guard's result; any other string names a primi
 _CALLBACKS = {"pure_callback", "io_callback"}
 
 
+class _Fact(enum.Enum):
+    """Facts of `_seed_facts` besides True, False and primitive names."""
+
+    ZERO = "zero"  # independent of the seed, and zero everywhere
+    OPAQUE = "opaque"  # out of a `while` loop the seed entered: not followed
+    # Linear in the seed in some entries and independent of it (not zero) in others:
+    # affine as a result, but may be sliced apart again (see `_Parts`).
+    MIXED = "mixed"
+
+
+_ZERO = _Fact.ZERO
+_OPAQUE = _Fact.OPAQUE
+_MIXED = _Fact.MIXED
+
+
+def _dependent(fact) -> bool:
+    return fact is True or fact is _MIXED
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """The facts of consecutive blocks of an array along `axis`: a concatenation of
+    the seed with other values (`ravel_pytree` packing residuals and cotangent into
+    one buffer), to be sliced apart again. `parts` holds (length, fact) pairs, facts
+    among False, True and `_Fact`s."""
+
+    axis: int
+    parts: tuple[tuple[int, object], ...]
+
+
 def _nonlinear_step(eqn, deps: list[bool]) -> bool:
     """Whether `eqn` is nonlinear in the seed, given which operands depend on it."""
     prim = eqn.primitive
     if prim in _LINEAR:
         return False
     if prim is lax.convert_element_type_p:  # rounding to an integer or a boolean
-        return not jnp.issubdtype(eqn.params["new_dtype"], jnp.inexact)
-    if prim in (lax.mul_p, lax.dot_general_p, lax.conv_general_dilated_p):
+        dtype = eqn.params["new_dtype"]
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            return True
+        return jnp.finfo(dtype).nmant < _MIN_MANTISSA_BITS
+    if prim is lax.reduce_precision_p:
+        return eqn.params["mantissa_bits"] < _MIN_MANTISSA_BITS
+    if prim in _PRODUCTS:
         return all(deps)
     if prim is lax.div_p:
         return deps[1]
@@ -143,7 +270,150 @@ def _nonlinear_step(eqn, deps: list[bool]) -> bool:
         return deps[0]
     if prim is lax.integer_pow_p:
         return eqn.params["y"] != 1
-    return prim in _ELEMENTWISE_ANY or prim in _ORDER_STATISTICS
+    if prim.name in _NONLINEAR_IN:
+        return any(deps[k] for k in _NONLINEAR_IN[prim.name] if k < len(deps))
+    if prim.name == "custom_linear_solve":  # linear in its right-hand side only
+        return any(deps[: sum(eqn.params["const_lengths"])])
+    return (
+        prim in _ELEMENTWISE_ANY
+        or prim in _ORDER_STATISTICS
+        or prim.name in _NONLINEAR_NAMES
+    )
+
+
+def _affine(eqn, deps: list) -> bool:
+    """Whether `eqn` adds (or places beside) the seed a value that is not zero."""
+    positions = _ADDITIVE.get(eqn.primitive, ())
+    if isinstance(positions, slice):
+        facts = deps[positions]
+    elif positions is None:
+        facts = deps
+    else:
+        facts = [deps[k] for k in positions if k < len(deps)]
+    return any(_dependent(f) for f in facts) and any(f is False for f in facts)
+
+
+def _keeps_zero(eqn, deps: list) -> bool:
+    """Whether `eqn`, none of whose operands depend on the seed, gives zeros."""
+    prim = eqn.primitive
+    if prim in _KEEP_ZERO or prim.name in _KEEP_ZERO_NAMES:
+        return deps[0] is _ZERO
+    if prim in _PRODUCTS:
+        return any(d is _ZERO for d in deps)
+    if prim is lax.div_p:
+        return deps[0] is _ZERO
+    if prim is lax.concatenate_p:
+        return all(d is _ZERO for d in deps)
+    if prim in _ADDITIVE:
+        positions = _ADDITIVE[prim]
+        if isinstance(positions, slice):
+            facts = deps[positions]
+        elif positions is None:
+            facts = deps
+        else:
+            facts = [deps[k] for k in positions]
+        return all(d is _ZERO for d in facts)
+    return False
+
+
+_MAX_CONST_CHECKED = 1 << 16  # entries of a constant looked at for zeros
+
+
+def _zero_value(value):
+    """`_ZERO` for a concrete value that is zero everywhere, else False."""
+    try:
+        if isinstance(value, jp.Tracer) or np.size(value) > _MAX_CONST_CHECKED:
+            return False
+        return False if np.any(np.asarray(value)) else _ZERO
+    except Exception:
+        return False
+
+
+def _zero_literal(atom):
+    return _zero_value(atom.val)
+
+
+def _collapse(fact):
+    """The fact of a whole array (see `_Parts`); a block of the seed beside one of
+    other values that are not zero is affine."""
+    if not isinstance(fact, _Parts):
+        return fact
+    facts = [f for _, f in fact.parts]
+    if any(_dependent(f) for f in facts):
+        if any(f is _MIXED or f is False for f in facts):
+            return _MIXED
+        return True
+    if _OPAQUE in facts:
+        return _OPAQUE
+    return _ZERO if all(f is _ZERO for f in facts) else False
+
+
+def _parts(fact, length: int, axis: int) -> list | None:
+    """`fact` as (length, fact) blocks along `axis`, or None where it has none."""
+    if isinstance(fact, _Parts):
+        return list(fact.parts) if fact.axis == axis else None
+    if fact is True or fact is False or isinstance(fact, _Fact):
+        return [(length, fact)]
+    return None
+
+
+def _as_parts(blocks: list, axis: int):
+    merged: list = []
+    for length, fact in blocks:
+        if length == 0:
+            continue
+        if merged and merged[-1][1] is fact:
+            merged[-1] = (merged[-1][0] + length, fact)
+        else:
+            merged.append((length, fact))
+    if len(merged) == 1:
+        return merged[0][1]
+    parts = _Parts(axis, tuple(merged))
+    return parts if any(_dependent(f) for _, f in merged) else _collapse(parts)
+
+
+def _placed(eqn, deps: list):
+    """The facts of a concatenation or a slice along one axis, block by block (see
+    `_Parts`), or None for any other equation or where blocks are not followed."""
+    prim = eqn.primitive
+    if prim is lax.concatenate_p:
+        axis = eqn.params["dimension"]
+        blocks: list = []
+        for v, d in zip(eqn.invars, deps, strict=True):
+            found = _parts(d, v.aval.shape[axis], axis)
+            if found is None:
+                return None
+            blocks.extend(found)
+        return [_as_parts(blocks, axis)]
+    if not isinstance(deps[0], _Parts):
+        return None
+    axis = deps[0].axis
+    if prim is lax.slice_p:
+        strides = eqn.params["strides"]
+        if strides is not None and strides[axis] != 1:
+            return None
+        lo, hi = eqn.params["start_indices"][axis], eqn.params["limit_indices"][axis]
+        return [_block(deps[0], lo, hi)]
+    if prim is lax.split_p:
+        if eqn.params["axis"] != axis:  # the blocks along `axis` stay as they are
+            return [deps[0]] * len(eqn.outvars)
+        outs, lo = [], 0
+        for size in eqn.params["sizes"]:
+            outs.append(_block(deps[0], lo, lo + int(size)))
+            lo += int(size)
+        return outs
+    return None
+
+
+def _block(fact: _Parts, lo: int, hi: int):
+    """The facts of positions `lo:hi` along `fact.axis`."""
+    blocks, at = [], 0
+    for length, f in fact.parts:
+        a, b = max(at, lo), min(at + length, hi)
+        if a < b:
+            blocks.append((b - a, f))
+        at += length
+    return _as_parts(blocks, fact.axis)
 
 
 def _tainted(fact) -> bool:
@@ -152,11 +422,19 @@ def _tainted(fact) -> bool:
 
 def _merge(a, b):
     """The join of two facts of `_seed_facts`: a nonlinear primitive's name wins."""
-    if _tainted(a):
-        return a
-    if _tainted(b):
-        return b
-    return a or b
+    a, b = _collapse(a), _collapse(b)
+    for f in (a, b):
+        if _tainted(f):
+            return f
+    for f in (a, b):
+        if f is _MIXED:
+            return f
+    for f in (a, b):
+        if f is True or f == _GUARD:
+            return f
+    if _OPAQUE in (a, b):
+        return _OPAQUE
+    return _ZERO if a is _ZERO and b is _ZERO else False
 
 
 def _raises(branch) -> bool:
@@ -165,35 +443,58 @@ def _raises(branch) -> bool:
     return any(e.primitive.name in _CALLBACKS for e in branch.jaxpr.eqns)
 
 
-def _nonlinear_use(jaxpr, in_deps: list[bool]) -> str | None:
+def _nonlinear_use(jaxpr, in_deps: list, consts: Sequence = ()) -> str | None:
     """The name of a primitive through which the seed flows nonlinearly into the
-    rule's results (a rule such as `clip(g)`, not a linear map of its seed), or None.
-    See `_seed_facts`."""
-    outs = _seed_facts(jaxpr, in_deps)
-    return next((d for d in outs if _tainted(d)), None)
+    rule's results (a rule such as `clip(g)`, or `g + 1`, not a linear map of its
+    seed), or None. See `_seed_facts`; `consts` are the values of the jaxpr's
+    constants."""
+    outs = [_collapse(d) for d in _seed_facts(jaxpr, in_deps, consts)]
+    found = next((d for d in outs if isinstance(d, str) and _tainted(d)), None)
+    if found is None and _MIXED in outs:
+        return "concatenate"  # a result with a constant block beside the seed
+    return found
 
 
-def _seed_facts(jaxpr, facts: list) -> list:
-    """For each output of `jaxpr`: False (independent of the seed), True (a linear
-    function of it, as far as is checked) or the name of the nonlinear primitive it
-    passed, given the same facts of its inputs.
+def _seed_facts(jaxpr, facts: list, consts: Sequence = ()) -> list:
+    """For each output of `jaxpr`: False (independent of the seed), `_ZERO` (that,
+    and zero), True (a linear function of it, as far as is checked), `_OPAQUE` (out
+    of a `while` loop, below) or the name of the nonlinear primitive it passed, given
+    the same facts of its inputs.
 
-    `cond` branches and `scan` bodies are followed (a `cond` whose branch depends on
-    the seed selects nonlinearly). The seed is not followed past a `while` loop: an
-    adaptive solver (an ODE adjoint with step-size control, an iterative linear
-    solve) chooses its steps, their number and its final time from the seed, and is
-    linear in it only up to its tolerance; what is done with those after the loop is
-    bookkeeping (reading the last saved step), which would look nonlinear here.
+    A seed-independent value that is not zero added to the seed (or selected, padded
+    or scattered beside it) makes the result affine, which counts as nonlinear;
+    concatenations are followed block by block (see `_Parts`), so that a buffer
+    packing residuals beside the seed may be sliced apart again. `cond` branches and
+    `scan` bodies are followed (a `cond` whose branch depends on the seed selects
+    nonlinearly). The seed is not followed past a `while` loop: an adaptive solver
+    (an ODE adjoint with step-size control, an iterative linear solve) chooses its
+    steps, their number and its final time from the seed (its first step from norms
+    of the seed, before the loop), and is linear in it only up to its tolerance;
+    what is done with those after the loop is bookkeeping (reading the last saved
+    step), which would look nonlinear here.
     """
 
     def transfer(eqn, deps):
         prim = eqn.primitive
         n_out = len(eqn.outvars)
-        if prim is lax.while_p:
-            return [False] * n_out
+        placed = _placed(eqn, deps)
+        if placed is not None:
+            return placed
+        deps = [_collapse(d) for d in deps]
+        independent = all(d is False or d is _ZERO for d in deps)
+        if prim is lax.while_p and not independent:
+            # Not followed, nor are the values it steps by (a first step size from
+            # norms of the seed, computed before the loop).
+            return [_OPAQUE] * n_out
+        if prim is lax.scan_p:  # followed inside, to the loops there
+            return _scan_facts(eqn, deps)
         tainted = next((d for d in deps if _tainted(d)), None)
-        if tainted is not None:
+        if tainted is not None and not (prim is lax.cond_p and deps[0] is not tainted):
             return [tainted] * n_out
+        if independent:
+            return [_ZERO if _keeps_zero(eqn, deps) else False] * n_out
+        if all(d is False or d is _ZERO or d is _OPAQUE for d in deps):
+            return [_OPAQUE] * n_out
         if prim in _GUARDS:
             return [_GUARD] * n_out
         if prim is lax.select_n_p and deps[0] == _GUARD:
@@ -204,16 +505,23 @@ def _seed_facts(jaxpr, facts: list) -> list:
             branches = eqn.params["branches"]
             if deps[0] == _GUARD:
                 branches = [b for b in branches if not _raises(b)]
-            elif deps[0] is not False:
+            elif _dependent(deps[0]):
                 return ["cond"] * n_out
-            found = [_seed_facts(b.jaxpr, deps[1:]) for b in branches]
-            outs: list = [False] * n_out
+            found = [
+                [_collapse(f) for f in _seed_facts(b.jaxpr, deps[1:], b.consts)]
+                for b in branches
+            ]
+            outs: list = [_ZERO] * n_out
             for k in range(n_out):
                 for facts in found:
                     outs[k] = _merge(outs[k], facts[k])
-                if deps[0] == _GUARD and outs[k] and not _tainted(outs[k]):
+                if _tainted(outs[k]) or not _dependent(outs[k]):
+                    continue
+                if deps[0] == _GUARD:
                     if any(facts[k] is not True for facts in found):
                         outs[k] = "cond"
+                elif any(facts[k] is False for facts in found):
+                    outs[k] = "cond"  # one branch linear, another a constant
             return outs
         if _GUARD in deps:
             # Guards combine into guards (`any`, `all`, an index); anything else
@@ -221,23 +529,25 @@ def _seed_facts(jaxpr, facts: list) -> list:
             if all(not jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.outvars):
                 return [_GUARD] * n_out
             return [prim.name] * n_out
-        if prim is lax.scan_p:
-            return _scan_facts(eqn, deps)
-        if _nonlinear_step(eqn, [d is not False for d in deps]):
+        if _affine(eqn, deps):
             return [prim.name] * n_out
-        return [True] * n_out
+        if _nonlinear_step(eqn, [_dependent(d) for d in deps]):
+            return [prim.name] * n_out
+        return [_MIXED if _MIXED in deps else True] * n_out
 
-    return propagate_facts(jaxpr, facts, transfer, False, _sub_jaxpr)
+    return propagate_facts(
+        jaxpr, facts, transfer, False, _sub_closed, _zero_literal, _zero_value, consts
+    )
 
 
 def _scan_facts(eqn, deps: list) -> list:
     """`_seed_facts` through a scan: its body, with the carries' facts joined with
     what the body gives them until they settle."""
-    body = eqn.params["jaxpr"].jaxpr
+    closed = eqn.params["jaxpr"]
     n_consts, n_carry = jp.scan_counts(eqn.params)
     facts = list(deps)
     while True:
-        outs = _seed_facts(body, facts)
+        outs = _seed_facts(closed.jaxpr, facts, closed.consts)
         carry = facts[n_consts : n_consts + n_carry]
         joined = [_merge(a, b) for a, b in zip(carry, outs[:n_carry], strict=True)]
         if joined == carry:
@@ -261,13 +571,58 @@ _TRACED: OrderedDict = OrderedDict()
 _MAX_TRACED = 512
 
 
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _state_read(functions: tuple) -> tuple:
+    """What the rule's Python functions read besides their arguments: the globals
+    their code names and the cells they close over, by value for Python scalars and
+    strings (a flag that switches the rule) and by identity otherwise, following the
+    functions among them two levels down. A rule is traced again when any of these
+    changes, as eager `jax.jacrev` would trace it."""
+    found: list = []
+    seen: set[int] = set()
+
+    def token(value):
+        return value if isinstance(value, _SCALARS) else ("id", id(value))
+
+    def names(code) -> list[str]:
+        out = list(code.co_names)
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                out.extend(names(c))
+        return out
+
+    def visit(fn, depth: int) -> None:
+        if id(fn) in seen or depth > 2:
+            return
+        seen.add(id(fn))
+        scope = fn.__globals__
+        read = [(n, scope[n]) for n in names(fn.__code__) if n in scope]
+        for cell in fn.__closure__ or ():
+            try:
+                read.append(("", cell.cell_contents))
+            except ValueError:  # an empty cell
+                pass
+        for name, value in read:
+            found.append((name, token(value)))
+            if isinstance(value, types.FunctionType):
+                visit(value, depth + 1)
+
+    for fn in functions:
+        if isinstance(fn, types.FunctionType):
+            visit(fn, 0)
+    return tuple(found)
+
+
 def _cached(what: str, prim, params, operands, wrt, use_vjp, compute):
     try:
         functions = jp.custom_rule_functions(params)
         closed = params.get("call_jaxpr")
         body = str(closed.jaxpr if hasattr(closed, "jaxpr") else closed)
-        types = tuple(str(jax.typeof(x)) for x in operands)
-        key = (what, prim, functions, body, types, tuple(wrt), use_vjp)
+        types_ = tuple(str(jax.typeof(x)) for x in operands)
+        state = _state_read(functions)
+        key = (what, prim, functions, state, body, types_, tuple(wrt), use_vjp)
         hash(key)
     except Exception:  # nothing stable to key on: decide afresh
         return compute()
@@ -301,8 +656,8 @@ def _trace_rule(prim, params, operands, wrt, use_vjp):
     cotangent for every floating output. Every operand is an argument, so no value is
     closed over as a constant, and only the operands' types matter.
 
-    Returns the jaxpr and its number of seed inputs (its last ones), or None where
-    the rule cannot be traced this way.
+    Returns the jaxpr, its number of seed inputs (its last ones) and the values of
+    its constants, or None where the rule cannot be traced this way.
     """
 
     def f(xs, rest):
@@ -331,7 +686,7 @@ def _trace_rule(prim, params, operands, wrt, use_vjp):
             closed = jax.make_jaxpr(pushforward)(xs, list(operands), seed)
     except Exception:  # the rule cannot be traced this way: use the dense path
         return None
-    return closed.jaxpr, len(jax.tree.leaves(seed))
+    return closed.jaxpr, len(jax.tree.leaves(seed)), list(closed.consts)
 
 
 def _rule_decision(prim, params, primals, wrt, out, use_vjp) -> _Decision:
@@ -348,7 +703,7 @@ def _rule_decision(prim, params, primals, wrt, out, use_vjp) -> _Decision:
         traced = _rule_jaxpr(prim, params, primals, wrt, use_vjp)
         if traced is None:
             return _Decision(False, (False,) * len(wrt))
-        jaxpr, n_seed = traced
+        jaxpr, n_seed, _ = traced
         n_other = len(jaxpr.invars) - n_seed
         in_deps = [_Dep.NONE] * n_other + [_Dep.ELEMENTWISE] * n_seed
         outs = _propagate(jaxpr, in_deps, shape_of(out))
@@ -375,9 +730,9 @@ def _check_linear(prim, params, operands, wrt, use_vjp) -> None:
         traced = _rule_jaxpr(prim, params, operands, wrt, use_vjp)
         if traced is None:
             return None
-        jaxpr, n_seed = traced
+        jaxpr, n_seed, consts = traced
         n_other = len(jaxpr.invars) - n_seed
-        return _nonlinear_use(jaxpr, [False] * n_other + [True] * n_seed)
+        return _nonlinear_use(jaxpr, [False] * n_other + [True] * n_seed, consts)
 
     name = _cached("linear", prim, params, operands, wrt, use_vjp, compute)
     if name is not None:

@@ -8,6 +8,8 @@ conventions at kinks (`max` at ties, `abs` at 0, ...).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -136,18 +138,34 @@ def seed_reaches(linear, *seeds) -> list[bool] | None:
     return nan_reaches(jaxpr, [True] * len(jaxpr.invars))
 
 
-def propagate_facts(jaxpr, facts: list, transfer, default, sub_jaxpr=None) -> list:
+def propagate_facts(
+    jaxpr,
+    facts: list,
+    transfer,
+    default,
+    sub_jaxpr=None,
+    literal=None,
+    const=None,
+    consts: Sequence = (),
+) -> list:
     """Forward dataflow over `jaxpr`: a fact per variable, from the facts of its
     inputs (`facts`) to those of its outputs.
 
-    Literals and constants hold `default`; an equation whose inputs all hold it gives
-    `default`; a call-like one is followed into its body (`sub_jaxpr(eqn)`, by default
-    the inlined calls); any other gets `transfer(eqn, input_facts)`.
+    Literals hold `literal(atom)` and the jaxpr's constants (values `consts`) hold
+    `const(value)`, both `default` when not given; an equation whose inputs all hold
+    `default` gives `default`; a call-like one is followed into its body
+    (`sub_jaxpr(eqn)`, an open jaxpr or a pair of one and its consts, by default the
+    inlined calls); any other gets `transfer(eqn, input_facts)`.
     """
-    env: dict = dict(zip(jaxpr.invars, facts, strict=True))
+    env: dict = {}
+    if const is not None:
+        env.update((v, const(c)) for v, c in zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, facts, strict=True))
 
     def read(atom):
-        return default if isinstance(atom, jp.Literal) else env.get(atom, default)
+        if isinstance(atom, jp.Literal):
+            return default if literal is None else literal(atom)
+        return env.get(atom, default)
 
     for eqn in jaxpr.eqns:
         ins = [read(a) for a in eqn.invars]
@@ -156,7 +174,10 @@ def propagate_facts(jaxpr, facts: list, transfer, default, sub_jaxpr=None) -> li
         elif (
             sub := _inner_body(eqn) if sub_jaxpr is None else sub_jaxpr(eqn)
         ) is not None:
-            outs = propagate_facts(sub, ins, transfer, default, sub_jaxpr)
+            sub, sub_consts = sub if isinstance(sub, tuple) else (sub, ())
+            outs = propagate_facts(
+                sub, ins, transfer, default, sub_jaxpr, literal, const, sub_consts
+            )
         else:
             outs = transfer(eqn, ins)
         env.update(zip(eqn.outvars, outs, strict=True))
@@ -415,5 +436,4 @@ register_zero(
     lax.shift_left_p,
     lax.shift_right_arithmetic_p,
     lax.shift_right_logical_p,
-    getattr(lax, "nextafter_p", None),
 )
