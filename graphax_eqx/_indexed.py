@@ -212,7 +212,7 @@ class CooTensor(BlockShape, eqx.Module):
     def dense(self) -> Array:
         """The Jacobian as a dense array of shape `out_shape + in_shape` (with the
         leading axes `jax.vmap` added, if any)."""
-        batch = vmapped_axes(self.val, sum(self.pattern.varying) + 1)
+        batch = vmapped_axes(self.val, self.pattern.val_shape)
         if batch:
             return batched_dense(self, batch)
         return to_labeled(self).dense()
@@ -225,7 +225,7 @@ class CooTensor(BlockShape, eqx.Module):
         """The Jacobian as a `jax.experimental.sparse.BCOO` matrix storing exactly the
         structural nonzeros."""
         p = self.pattern
-        batch = vmapped_axes(self.val, sum(p.varying) + 1)
+        batch = vmapped_axes(self.val, p.val_shape)
         if batch:
             return batched_bcoo(self, batch)
         nties = len(p.ties)

@@ -117,6 +117,12 @@ def _check_differentiable(x, argnum: int, name: str):
             "Split it into real and imaginary parts (`x.real`, `x.imag`) and "
             "differentiate with respect to those."
         )
+    elif jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        problem = "PRNG key"
+        fix = (
+            "Keys have no derivative: leave the key's argument out of `argnums` "
+            "(it is then treated as a constant)."
+        )
     else:
         problem = "integer or boolean"
         fix = (

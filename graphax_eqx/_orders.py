@@ -101,6 +101,8 @@ def normalise_order(order, api: str = "jacve"):
     """
     if isinstance(order, Order):
         return order
+    if isinstance(getattr(order, "order", None), Order):  # a `search_order` result
+        return order.order
     if isinstance(order, str):
         name = _ALIASES.get(order.lower())
         if name is None:

@@ -418,7 +418,20 @@ def load_order(path: str | os.PathLike) -> Order:
             f"{os.fspath(path)!r} has order format version {data.get('version')}; "
             f"this graphax_eqx reads version {_FORMAT_VERSION}."
         )
-    return Order(tuple(int(v) for v in data["order"]), str(data["fingerprint"]))
+    try:
+        ids = tuple(int(v) for v in data["order"])
+        fingerprint = data["fingerprint"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"{os.fspath(path)!r} is not a complete saved order ({type(e).__name__}: "
+            f"{e}); save it again with `OrderSearch.save`."
+        ) from None
+    if not isinstance(fingerprint, str):
+        raise ValueError(
+            f"{os.fspath(path)!r} is not a complete saved order: its fingerprint is "
+            "not a string; save it again with `OrderSearch.save`."
+        )
+    return Order(ids, fingerprint)
 
 
 def _machine() -> dict[str, str]:

@@ -212,10 +212,24 @@ class BlockShape:
         return len(self.shape)
 
 
-def vmapped_axes(val: Array | None, ndim: int) -> int:
-    """How many leading axes `jax.vmap` added to a result's value array of `ndim`
-    axes (0 when it was not vmapped, or stores no values)."""
-    return 0 if val is None else max(0, jnp.ndim(val) - ndim)
+def vmapped_axes(val: Array | None, shape: tuple[int, ...]) -> int:
+    """How many leading axes `jax.vmap` added to a result's value array of `shape`
+    (0 when it was not vmapped, or stores no values).
+
+    The mapped axes must lead, as `jax.vmap`'s default `out_axes=0` puts them: a
+    value array whose trailing axes are not `shape` had them put elsewhere."""
+    if val is None:
+        return 0
+    batch = max(0, jnp.ndim(val) - len(shape))
+    if batch and tuple(jnp.shape(val)[batch:]) != tuple(shape):
+        raise ValueError(
+            f"This structured Jacobian block stores values of shape {tuple(shape)} "
+            f"per batch element, but its value array has shape {jnp.shape(val)}: "
+            "`jax.vmap` put the mapped axes elsewhere than in front (`out_axes` other "
+            "than 0). Map sparse results with `out_axes=0`, then move the axes of "
+            "`.dense()` (`jnp.moveaxis`)."
+        )
+    return batch
 
 
 def batched_dense(block, batch: int) -> Array:
@@ -281,7 +295,7 @@ class SparseTensor(BlockShape, eqx.Module):
         """The Jacobian as a dense array of shape `out_shape + in_shape` (with the
         leading axes `jax.vmap` added, if any)."""
         p = self.pattern
-        batch = vmapped_axes(self.val, len(p.val_labels))
+        batch = vmapped_axes(self.val, p.val_shape)
         if batch:
             return batched_dense(self, batch)
         target = dense_pattern(p.out_shape, p.in_shape)
@@ -291,6 +305,12 @@ class SparseTensor(BlockShape, eqx.Module):
         """Alias of `graphax_eqx.SparseTensor.dense`."""
         return self.dense()
 
+    @property
+    def nse(self) -> int:
+        """The number of entries `to_bcoo` stores: one per combination of the
+        distinct labels."""
+        return math.prod(self.pattern.sizes)
+
     def to_bcoo(self) -> jsparse.BCOO:
         """The Jacobian as a `jax.experimental.sparse.BCOO` matrix.
 
@@ -298,7 +318,7 @@ class SparseTensor(BlockShape, eqx.Module):
         distinct labels.
         """
         p = self.pattern
-        batch = vmapped_axes(self.val, len(p.val_labels))
+        batch = vmapped_axes(self.val, p.val_shape)
         if batch:
             return batched_bcoo(self, batch)
         sizes = p.sizes

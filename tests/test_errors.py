@@ -35,6 +35,14 @@ def test_non_float_argument_type_error(arg, pattern):
         graphax_eqx.jacve(lambda x: x * 2)(arg)
 
 
+def test_key_argument_type_error():
+    f = lambda key, x: x * jax.random.normal(key, (3,))
+    with pytest.raises(TypeError, match=r"PRNG key.*argnums"):
+        graphax_eqx.jacve(f, argnums=0)(jax.random.key(0), _x())
+    # Left undifferentiated it is fine.
+    graphax_eqx.jacve(f, argnums=1)(jax.random.key(0), _x())
+
+
 def test_non_float_leaf_in_pytree_type_error():
     tree = {"w": jnp.ones(2), "n": jnp.arange(2)}
     with pytest.raises(TypeError, match=r"int"):

@@ -399,6 +399,8 @@ def test_save_and_load_round_trip(tmp_path):
     assert_tree_matches(jac, jax.jacrev(_small)(x))
     cost = gx.elimination_cost(_small, order=loaded)(x)
     assert cost.num_muls == found.cost.num_muls
+    # The search's result itself is an order too.
+    assert_tree_matches(gx.jacve(_small, order=found)(x), jac)
 
 
 def test_loaded_order_on_another_graph_is_refused(tmp_path):
@@ -428,6 +430,18 @@ def test_load_order_errors(tmp_path):
     other.write_text(json.dumps({"order": [1, 2]}))
     with pytest.raises(ValueError, match="not an order written by"):
         gx.load_order(other)
+    # A saved order with a field missing or mangled.
+    _, _, path, _ = _saved_and_loaded(tmp_path, 20)
+    saved = json.loads(path.read_text())
+    for field, value in (("fingerprint", None), ("order", None), ("order", ["a"])):
+        broken = dict(saved)
+        if value is None:
+            del broken[field]
+        else:
+            broken[field] = value
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match="not a complete saved order"):
+            gx.load_order(path)
 
 
 def test_fingerprint_is_stable_across_traces():

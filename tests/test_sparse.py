@@ -161,3 +161,26 @@ def test_blocks_of_independent_arguments_store_no_entries():
     np.testing.assert_array_equal(block_y.dense(), batched)
     np.testing.assert_array_equal(block_y.to_bcoo().todense(), batched)
     assert block_y.to_bcoo().nse == 0
+
+
+def test_results_mapped_to_other_axes_are_refused():
+    """`jax.vmap(..., out_axes=1)` puts the mapped axis inside a result's value
+    array, where `.dense()` would read it as an entry axis: a clear error instead."""
+    f = lambda x: jnp.roll(x, 1) * x  # 8 stored entries per batch element
+    xs = jnp.arange(20.0, dtype=jnp.float32).reshape(5, 4)
+    jac = graphax_eqx.jacve(f, sparse_representation=True)
+    moved = jax.vmap(jac, out_axes=1)(xs)
+    with pytest.raises(ValueError, match="out_axes"):
+        moved.dense()
+    with pytest.raises(ValueError, match="out_axes"):
+        moved.to_bcoo()
+    leading = jax.vmap(jac)(xs)
+    np.testing.assert_array_equal(leading.dense(), jax.vmap(jax.jacfwd(f))(xs))
+
+
+def test_nse_of_labelled_blocks():
+    """`SparseTensor.nse`, like `CooTensor.nse`, is what `to_bcoo` stores."""
+    x = jnp.arange(1.0, 7.0, dtype=jnp.float32)
+    for f, nse in ((jnp.sin, 6), (lambda x: jnp.sum(x) * x, 36), (jnp.sum, 6)):
+        block = graphax_eqx.jacve(f, sparse_representation=True)(x)
+        assert block.nse == block.to_bcoo().nse == nse
