@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.experimental import sparse as jsparse
 
 import graphax_eqx
@@ -184,3 +185,31 @@ def test_nse_of_labelled_blocks():
     for f, nse in ((jnp.sin, 6), (lambda x: jnp.sum(x) * x, 36), (jnp.sum, 6)):
         block = graphax_eqx.jacve(f, sparse_representation=True)(x)
         assert block.nse == block.to_bcoo().nse == nse
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "auto"])
+def test_overwritten_entries_are_not_stored(order):
+    """`x.at[idx].set(...)` and `dynamic_update_slice` with known indices drop the
+    entries they overwrite from the pattern, so `nse` stays structural through the
+    stencils that follow (boundary conditions written as `u.at[0].set(...)`)."""
+    n = 40
+    u = jnp.asarray(np.random.default_rng(0).normal(size=n))
+
+    def stencil(v):
+        return v[2:] - 2 * v[1:-1] + v[:-2] + 0.1 * jnp.sin(v[1:-1])
+
+    programs = [
+        lambda x: x[:6].at[np.array([0, 2])].set(x[3:5] ** 2),
+        lambda u: stencil(stencil(jnp.sin(u).at[: n // 2].set(0.0))),
+        lambda u: stencil(jnp.sin(u).at[np.array([0, -1])].set(jnp.cos(u[:2]))),
+        lambda u: stencil(lax.dynamic_update_slice(jnp.sin(u), jnp.zeros(9), (3,))),
+    ]
+    for f in programs:
+        expected = np.asarray(jax.jacfwd(f)(u))
+        structured = graphax_eqx.jacve(f, order=order, sparse_representation=True)
+        for jac in (structured, jax.jit(structured)):
+            block = jac(u)
+            np.testing.assert_allclose(block.dense(), expected, rtol=1e-12, atol=1e-14)
+            assert block.to_bcoo().nse == np.count_nonzero(expected)
+        dense = graphax_eqx.jacve(f, order=order)(u)
+        np.testing.assert_allclose(dense, expected, rtol=1e-12, atol=1e-14)

@@ -290,12 +290,18 @@ def _dynamic_update_slice(primals, active, **params):
     shape = shape_of(out)
     partials = {}
     if active[0]:
-        # The primitive itself: `lax.dynamic_update_slice` would wrap negative
-        # starts a second time (they are wrapped once before the primitive).
-        mask = lax.dynamic_update_slice_p.bind(
-            jnp.ones_like(operand), jnp.zeros_like(update), *indices, **params
-        )
-        partials[(0, 0)] = diagonal(mask, shape, out.dtype)
+        # Known starts: the entries kept, as an index map (the overwritten ones are
+        # not stored). Else the primitive itself masks them: `lax.dynamic_update_slice`
+        # would wrap negative starts a second time (they are wrapped once before the
+        # primitive).
+        prim = lax.dynamic_update_slice_p
+        partial = _index_map_in(prim, params, primals, 0, shape, out.dtype)
+        if partial is None:
+            mask = prim.bind(
+                jnp.ones_like(operand), jnp.zeros_like(update), *indices, **params
+            )
+            partial = diagonal(mask, shape, out.dtype)
+        partials[(0, 0)] = partial
     if active[1]:
         args = [jnp.zeros_like(operand), update, *indices]
         prim = lax.dynamic_update_slice_p
@@ -369,7 +375,12 @@ def _scatter(primals, active, **params):
         args = [jnp.zeros_like(operand), indices, updates]
         partial, kept = _kept_updates(params, args, shape, dtype)
         partials[(0, 2)] = partial
-    needs_mask = active[0] or kept is not None
+    kept_operand = None
+    if active[0]:
+        # Known indices: the entries kept, as an index map (the overwritten ones are
+        # not stored); else the operand's diagonal, masked where updates land.
+        kept_operand = _index_map_in(lax.scatter_p, params, primals, 0, shape, dtype)
+    needs_mask = (active[0] and kept_operand is None) or kept is not None
     mask = _scatter_mask(params, indices, updates, shape) if needs_mask else None
     if kept is None or mask is None:
         out = lax.scatter_p.bind(*primals, **params)
@@ -384,7 +395,9 @@ def _scatter(primals, active, **params):
             indices,
             lax.select(kept, updates, minus_zero),
         )
-    if active[0] and mask is not None:
+    if kept_operand is not None:
+        partials[(0, 0)] = kept_operand
+    elif active[0] and mask is not None:
         partials[(0, 0)] = diagonal(mask.astype(dtype), shape, dtype)
     return [out], partials
 
