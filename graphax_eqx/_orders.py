@@ -371,9 +371,12 @@ def resolve(
                 f"`{api}` got an order made for a different computational graph "
                 f"(the order's fingerprint is {name_or_ids.fingerprint[:12]}, this "
                 f"function's graph has {found[:12]}). The function, its argument "
-                "shapes or dtypes, or `argnums` changed since the order was searched. "
-                "Search again with `graphax_eqx.search_order`, or pass `tuple(order)` "
-                "to use the vertex ids anyway (they are still validated)."
+                "shapes, or `argnums` changed since the order was searched, or values "
+                "that shape the graph (indices computed from an integer argument) "
+                "were constants then and are traced now, under `jax.jit`, or the "
+                "other way round. Search again on the function as you call it, or "
+                "pass `tuple(order)` to use the vertex ids anyway (they are still "
+                "validated)."
             )
         name_or_ids = name_or_ids.ids
     if isinstance(name_or_ids, tuple):
