@@ -90,6 +90,7 @@ def inline(closed_jaxpr) -> Program:
 
     def visit(jaxpr, const_atoms: Sequence[Atom], in_atoms: Sequence[Atom]):
         env: dict[Any, Atom] = {}
+        platform_branch: dict[Any, int] = {}  # `platform_index` results, resolved
         for var, atom in zip(jaxpr.constvars, const_atoms, strict=True):
             env[var] = atom
         for var, atom in zip(jaxpr.invars, in_atoms, strict=True):
@@ -102,6 +103,25 @@ def inline(closed_jaxpr) -> Program:
 
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
+            if eqn.primitive.name == "platform_index":
+                branch = _platform_branch(eqn.params)
+                if branch is not None:
+                    platform_branch[eqn.outvars[0]] = branch
+            elif (
+                eqn.primitive is lax.cond_p
+                and not isinstance(eqn.invars[0], jp.Literal)
+                and eqn.invars[0] in platform_branch
+            ):
+                # `lax.platform_dependent` (`jnp.diagonal`): the branch this
+                # platform lowers, inlined (the other may hide its structure).
+                closed = eqn.params["branches"][platform_branch[eqn.invars[0]]]
+                outs = visit(
+                    closed.jaxpr, hoist(closed.jaxpr.constvars, closed.consts), ins[1:]
+                )
+                for var, atom in zip(eqn.outvars, outs, strict=True):
+                    if not isinstance(var, jp.DropVar):
+                        env[var] = atom
+                continue
             inner = jp.inner_jaxpr(eqn)
             if inner is not None:
                 sub_jaxpr, sub_consts = inner
@@ -145,6 +165,25 @@ def inline(closed_jaxpr) -> Program:
         tuple(consts),
     )
     return split_tiled_windows(realify(program))
+
+
+_PLATFORM_NAMES = {"cpu": {"cpu"}, "gpu": {"gpu", "cuda", "rocm"}, "tpu": {"tpu"}}
+
+
+def _platform_branch(params) -> int | None:
+    """The index a `platform_index` equation gives on the default backend (where
+    `jacve`'s program is lowered), or `None` where that is not clear."""
+    names = _PLATFORM_NAMES.get(jax.default_backend())
+    platforms = params.get("platforms")
+    if names is None or platforms is None:
+        return None
+    default = None
+    for k, group in enumerate(platforms):
+        if group is None:
+            default = k if default is None else default
+        elif names & {str(p).lower() for p in group}:
+            return k
+    return default
 
 
 _POOLINGS = (lax.reduce_window_max_p, lax.reduce_window_min_p, lax.reduce_window_sum_p)

@@ -484,6 +484,8 @@ _PRIMITIVE_CASES = [
         lambda x: jnp.where(_mask((5, 6)), jnp.sin(x), jnp.cos(x) * x),
         _X2,
     ),
+    _case("tile_2d", _smooth(lambda x: jnp.tile(x, (2, 1, 3))), _X2),
+    _case("diagonal_2d", _smooth(lambda x: jnp.diagonal(x, offset=1)), _X2),
     _case(
         "where_mask_zero_3d",
         _smooth(lambda x: jnp.where(_mask((3, 4, 5)), x, 0.0)),
@@ -802,7 +804,22 @@ _POOL = _case(
     ),
     _X2,
 )
-_NO_ACCIDENTAL_ZEROS = [_STENCIL, _LAPLACIAN, _BRATU, _FLUX, _HEAT, _POOL]
+# `jnp.diagonal` picks a formula by platform (`lax.platform_dependent`); `jnp.tile`
+# is a primitive of its own.
+_DIAGONAL_TILED = _case(
+    "diagonal_tiled",
+    _smooth(lambda x: jnp.tile(jnp.diagonal(x[:, :5]), (2, 3)) * x[:2, :1]),
+    _X2,
+)
+_NO_ACCIDENTAL_ZEROS = [
+    _STENCIL,
+    _LAPLACIAN,
+    _BRATU,
+    _FLUX,
+    _HEAT,
+    _POOL,
+    _DIAGONAL_TILED,
+]
 
 
 @pytest.mark.parametrize("order", _ORDERS)

@@ -79,6 +79,8 @@ def _numpy_sources(prim, params, in_shape):
         return pos[index].reshape(-1)
     if prim is lax.rev_p:
         return np.flip(pos, tuple(params["dimensions"])).reshape(-1)
+    if prim.name == "tile":
+        return np.tile(pos, tuple(params["reps"])).reshape(-1)
     if prim is lax.reshape_p and params.get("dimensions") is None:
         return pos.reshape(-1)
     if prim is lax.pad_p:
@@ -232,8 +234,14 @@ def _single_linear(prim):
     return rule
 
 
-for _prim in (lax.slice_p, lax.rev_p, lax.dynamic_slice_p):
-    register(_prim)(_single_linear(_prim))
+for _prim in (
+    lax.slice_p,
+    lax.rev_p,
+    lax.dynamic_slice_p,
+    getattr(lax, "tile_p", None),
+):
+    if _prim is not None:
+        register(_prim)(_single_linear(_prim))
 
 
 @register(lax.gather_p)
