@@ -142,3 +142,19 @@ def test_optimistix_least_squares_and_minimisation():
     for f, p in [(fit, [1.0, 1.2, 1.5, 1.9]), (minimum, [0.5, -0.8])]:
         p = jnp.array(p, jnp.float32)
         _check(f, (p,), 0, orders=("auto",), rtol=1e-2, atol=1e-3)
+
+
+def test_jax_experimental_odeint():
+    # Its `custom_vjp` packs residuals beside the cotangent in one buffer
+    # (`ravel_pytree`) and picks its first step from the cotangent's norm before an
+    # adaptive loop: linear, as far as the loop's tolerance. Its rule also indexes
+    # the (here constant) time points with traced values.
+    from jax.experimental.ode import odeint
+
+    def decay(y0, rate):
+        ts = jnp.array([0.0, 0.5, 1.0], jnp.float32)
+        ys = odeint(lambda y, t, r: -r * y + 0.1 * jnp.sin(t), y0, ts, rate)
+        return ys[-1]
+
+    args = (_y0(), jnp.array([0.4, 0.9, 1.3], jnp.float32))
+    _check(decay, args, (0, 1), orders=("rev", "markowitz"), rtol=1e-3, atol=1e-4)

@@ -899,6 +899,12 @@ def _custom_rule(prim, use_vjp):
     rule = _custom_rule_body(prim, use_vjp)
 
     def checked(primals, active, **params):
+        # Constants may arrive as NumPy arrays; the rule's code expects JAX's (it
+        # may index them with traced values, as `jax.experimental.ode` does).
+        primals = [
+            jnp.asarray(p) if isinstance(p, (np.ndarray, np.generic)) else p
+            for p in primals
+        ]
         if not use_vjp and jp.stale_closure(
             params, len(primals) - params.get("num_consts", 0)
         ):
