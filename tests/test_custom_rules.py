@@ -803,12 +803,13 @@ def _nondiff_scaled_sin_jvp(k, primals, tangents):
     return _nondiff_scaled_sin(k, x), jnp.cos(x) * k * t
 
 
-def test_custom_jvp_rule_recorded_in_an_unknown_form(monkeypatch):
-    """Where a JAX version records the JVP rule of a traced `nondiff_argnums` array
-    with consts that do not line up with its jaxpr's, the error says what to do."""
+def _record_rules_as(monkeypatch, rewrite):
+    """Stand in for a JAX version that records the JVP rule of a `custom_jvp` with
+    traced const operands differently: its traced `(jaxpr, consts)` pass through
+    `rewrite`."""
     from graphax_eqx import _jax_private
 
-    class Misaligned(_jax_private._ConstOperands):
+    class Recorded(_jax_private._ConstOperands):
         def __init__(self, thunk, const_vars):
             class Thunk:
                 debug_info = thunk.debug_info
@@ -816,12 +817,19 @@ def test_custom_jvp_rule_recorded_in_an_unknown_form(monkeypatch):
                 @staticmethod
                 def call_wrapped(*zeros):
                     jaxpr, consts, out_zeros = thunk.call_wrapped(*zeros)
-                    return jaxpr, [*consts, jnp.zeros(())], out_zeros
+                    return (*rewrite(jaxpr, consts), out_zeros)
 
             super().__init__(Thunk, const_vars)
 
-    monkeypatch.setattr(_jax_private, "_ConstOperands", Misaligned)
+    monkeypatch.setattr(_jax_private, "_ConstOperands", Recorded)
 
+
+def test_custom_jvp_rule_recorded_in_an_unknown_form(monkeypatch):
+    """Where a JAX version records the JVP rule of a traced `nondiff_argnums` array
+    with consts that do not line up with its jaxpr's, the error says what to do."""
+    _record_rules_as(
+        monkeypatch, lambda jaxpr, consts: (jaxpr, [*consts, jnp.zeros(())])
+    )
     x = jnp.array([0.1, 0.2, 0.3])
     with pytest.raises(TypeError, match="custom_jvp.*ordinary argument"):
         gx.jacve(lambda x: _nondiff_scaled_sin(2.0 * x, x))(x)
@@ -832,26 +840,15 @@ def test_custom_jvp_rule_with_consts_as_leading_inputs(monkeypatch):
     inputs rather than `constvars`. Stood in for on JAX 0.10 by moving them there."""
     from jax._src.interpreters import partial_eval as pe
 
-    from graphax_eqx import _jax_private
-
     num_consts = []
 
-    class Leading(_jax_private._ConstOperands):
-        def __init__(self, thunk, const_vars):
-            class Thunk:
-                debug_info = thunk.debug_info
+    def leading(jaxpr, consts):
+        num_consts.append(len(consts))
+        if jaxpr.constvars:
+            jaxpr = pe.convert_constvars_jaxpr(jaxpr)
+        return jaxpr, consts
 
-                @staticmethod
-                def call_wrapped(*zeros):
-                    jaxpr, consts, out_zeros = thunk.call_wrapped(*zeros)
-                    num_consts.append(len(consts))
-                    if jaxpr.constvars:
-                        jaxpr = pe.convert_constvars_jaxpr(jaxpr)
-                    return jaxpr, consts, out_zeros
-
-            super().__init__(Thunk, const_vars)
-
-    monkeypatch.setattr(_jax_private, "_ConstOperands", Leading)
+    _record_rules_as(monkeypatch, leading)
 
     x = jnp.array([0.1, 0.2, 0.3])
     fun = lambda x: _nondiff_scaled_sin(jnp.sum(x) * x, x)
