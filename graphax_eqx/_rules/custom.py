@@ -281,15 +281,19 @@ def _nonlinear_step(eqn, deps: list[bool]) -> bool:
     )
 
 
-def _affine(eqn, deps: list) -> bool:
-    """Whether `eqn` adds (or places beside) the seed a value that is not zero."""
+def _combined(eqn, deps: list) -> list:
+    """The facts of the operands `eqn` combines additively (see `_ADDITIVE`)."""
     positions = _ADDITIVE.get(eqn.primitive, ())
     if isinstance(positions, slice):
-        facts = deps[positions]
-    elif positions is None:
-        facts = deps
-    else:
-        facts = [deps[k] for k in positions if k < len(deps)]
+        return deps[positions]
+    if positions is None:
+        return deps
+    return [deps[k] for k in positions if k < len(deps)]
+
+
+def _affine(eqn, deps: list) -> bool:
+    """Whether `eqn` adds (or places beside) the seed a value that is not zero."""
+    facts = _combined(eqn, deps)
     return any(_dependent(f) for f in facts) and any(f is False for f in facts)
 
 
@@ -305,14 +309,7 @@ def _keeps_zero(eqn, deps: list) -> bool:
     if prim is lax.concatenate_p:
         return all(d is _ZERO for d in deps)
     if prim in _ADDITIVE:
-        positions = _ADDITIVE[prim]
-        if isinstance(positions, slice):
-            facts = deps[positions]
-        elif positions is None:
-            facts = deps
-        else:
-            facts = [deps[k] for k in positions]
-        return all(d is _ZERO for d in facts)
+        return all(d is _ZERO for d in _combined(eqn, deps))
     return False
 
 
