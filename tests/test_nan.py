@@ -407,3 +407,28 @@ def test_final_products_apply_a_map_once(order):
             jax.jacrev(at_special)(w),
             f"{order} at NaN and infinite inputs",
         )
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev"])
+def test_quotient_partials_at_zeros_and_infinities(order):
+    """Both partials of `x / y` share one reciprocal of `y` (one division fewer per
+    quotient, which XLA would otherwise compute in a kernel of its own); their
+    signed zeros, infinities and NaNs are still those of JAX's rule. (JAX's rule
+    squares `y`, so it overflows to infinities and NaNs for tiny `y` where the
+    quotient's partials are finite; such magnitudes are left out.)"""
+    values = np.array([0.0, -0.0, 1.0, -2.0, 0.5, np.inf, -np.inf, np.nan])
+    x, y = (a.ravel() for a in np.meshgrid(values, values))
+    x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
+
+    def f(x, y):
+        return x / y
+
+    got = jax.jit(gx.jacve(f, order=order, argnums=(0, 1)))(x, y)
+    with np.errstate(all="ignore"):
+        for k in range(2):
+            _check(
+                jnp.diagonal(got[k]),
+                jnp.diagonal(jax.jacfwd(f, argnums=k)(x, y)),
+                jnp.diagonal(jax.jacrev(f, argnums=k)(x, y)),
+                f"{order}, ∂/∂{'xy'[k]}",
+            )

@@ -253,7 +253,9 @@ _formulas = {
     lax.max_p: _chooser_derivative(lambda x, y: x > y),
     lax.min_p: _chooser_derivative(lambda x, y: x < y),
     lax.mul_p: lambda p, out, i, _: _full(p[1 - i], out),
-    lax.div_p: lambda p, out, i, _: _full(1 / p[1] if i == 0 else -(out / p[1]), out),
+    lax.div_p: lambda p, out, i, _: _full(
+        1 / p[1] if i == 0 else -out * (1 / p[1]), out
+    ),
     lax.sin_p: lambda p, out, i, _: jnp.cos(p[0]),
     lax.cos_p: lambda p, out, i, _: -jnp.sin(p[0]),
     lax.exp_p: lambda p, out, i, _: out,
