@@ -923,7 +923,13 @@ def _emit_terms(terms: tuple[tuple[Array, np.ndarray], ...]) -> Array:
     return total
 
 
-def coo_product(a: CooTensor, b: CooTensor, plan: CooProductPlan, dtype):
+def coo_product(a, b, plan: CooProductPlan, dtype):
+    """`A · B` entry by entry. An operand may be a `CooTensor`, or a `BandTensor`
+    whose entries are then read straight off its diagonals: one gather of the entries
+    the product uses rather than one of all of them and another of those (a band
+    meeting the two boundary entries of a `concatenate` uses a handful)."""
+    from ._band import BandTensor, to_coo as band_to_coo
+
     p = plan.coo
     res_vary = tuple(p.tie_sizes[t] for t, v in enumerate(p.varying) if v)
     npairs = len(plan.ia)
@@ -933,12 +939,21 @@ def coo_product(a: CooTensor, b: CooTensor, plan: CooProductPlan, dtype):
         (a, plan.untie_a, plan.ia, None, plan.a_dims),
         (b, plan.untie_b, plan.ib, plan.b_perm, plan.b_dims),
     ):
-        if x.val is None:
+        if isinstance(x, BandTensor) and not untie.identity:
+            x = band_to_coo(x)
+        if isinstance(x, BandTensor):
+            parts = [x.val] if x.mask is None else [x.val, x.mask]
+            parts = [lax.reshape(part, (math.prod(part.shape),)) for part in parts]
+            at = x.pattern.positions[idx]
+        elif x.val is None:
             continue
-        parts = [x.val] if x.mask is None else [x.val, x.mask]
+        else:
+            parts = [x.val] if x.mask is None else [x.val, x.mask]
+            parts = [untie.compact(part) for part in parts]
+            at = untie.index(idx)
         aligned = []
         for part in parts:
-            part = _take_last(untie.compact(part), untie.index(idx))
+            part = _take_last(part, at)
             if perm is not None:
                 part = _transpose(part, tuple(perm) + (part.ndim - 1,))
             if tuple(part.shape) != shape:
@@ -1355,9 +1370,9 @@ def run_product(a, b, plan, dtype):
 
     if isinstance(plan, BandProductPlan):
         return band_product(a, b, plan, dtype), plan.muls
-    a, b = _unband(a), _unband(b)
     if isinstance(plan, CooProductPlan):
         return coo_product(a, b, plan, dtype), plan.muls
+    a, b = _unband(a), _unband(b)
     out, _ = product(_convert(a, plan.conv_a), _convert(b, plan.conv_b))
     return _pick(out, plan.picked), plan.muls
 
