@@ -287,3 +287,30 @@ def test_select_with_a_literal_predicate(fun, order):
     for transform in (lambda f: f, jax.jit):
         jac = transform(graphax_eqx.jacve(fun, order=order, argnums=(0, 1)))
         assert_tree_matches(jac(*args), expected)
+
+
+_EMPTY_AXIS = {
+    "prod": lambda x, e: x * jnp.prod(e, axis=1),
+    "prod_of_empty_slice": lambda x, e: x * jnp.prod(x[:0]) + jnp.sum(e, axis=1),
+    "cumprod": lambda x, e: jnp.sum(jnp.cumprod(e, axis=1), axis=1) + x,
+    "cummax": lambda x, e: jnp.sum(lax.cummax(e, axis=1), axis=1) * x,
+    "cumlogsumexp": lambda x, e: jnp.sum(lax.cumlogsumexp(e, axis=1), axis=1) + x,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_EMPTY_AXIS))
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])
+def test_reductions_and_scans_along_an_empty_axis(name, order):
+    """Products and cumulative scans over an axis of length zero give JAX's empty or
+    constant Jacobians (they raised from inside their rules)."""
+    f = _EMPTY_AXIS[name]
+    x, e = jnp.arange(1.0, 4.0), jnp.ones((3, 0))
+    expected = jax.jacfwd(f, argnums=(0, 1))(x, e)
+    for jac in (
+        graphax_eqx.jacve(f, order=order, argnums=(0, 1)),
+        jax.jit(graphax_eqx.jacve(f, order=order, argnums=(0, 1))),
+    ):
+        got = jac(x, e)
+        for g, want in zip(got, expected, strict=True):
+            assert g.shape == want.shape
+            np.testing.assert_allclose(g, want)

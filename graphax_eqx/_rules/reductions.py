@@ -75,13 +75,17 @@ def _reduce_prod(primals, active, **params):
     kept = [i for i in range(x.ndim) if i not in axes]
     # Product of all other entries, without dividing (safe at zeros).
     moved = jnp.transpose(x, kept + list(axes))
-    flat = moved.reshape(tuple(in_shape[i] for i in kept) + (-1,))
-    ones = jnp.ones(flat.shape[:-1] + (1,), x.dtype)
-    before = jnp.cumprod(jnp.concatenate([ones, flat[..., :-1]], axis=-1), axis=-1)
-    after = jnp.cumprod(jnp.concatenate([ones, flat[..., :0:-1]], axis=-1), axis=-1)[
-        ..., ::-1
-    ]
-    val = (before * after).reshape(moved.shape)
+    if 0 in moved.shape:
+        # No entries: an empty partial (a product over nothing is a constant one).
+        val = jnp.zeros(moved.shape, x.dtype)
+    else:
+        flat = moved.reshape(tuple(in_shape[i] for i in kept) + (-1,))
+        ones = jnp.ones(flat.shape[:-1] + (1,), x.dtype)
+        before = jnp.concatenate([ones, flat[..., :-1]], axis=-1)
+        after = jnp.concatenate([ones, flat[..., :0:-1]], axis=-1)
+        before = jnp.cumprod(before, axis=-1)
+        after = jnp.cumprod(after, axis=-1)[..., ::-1]
+        val = (before * after).reshape(moved.shape)
     labels, in_labels = _reduce_labels(in_shape, axes)
     val_labels = [in_labels[i] for i in kept + list(axes)]
     partial = from_labeled(val, val_labels, shape_of(out), in_shape, labels, out.dtype)
@@ -98,13 +102,17 @@ def _cumulative_rule(prim):
             return [out], {}
         axis, shape = params["axis"] % x.ndim, shape_of(x)
         n = shape[axis]
-        rows = jnp.moveaxis(x, axis, -1).reshape((-1, n))
-
-        def scan_row(r):
-            return prim.bind(r, **dict(params, axis=0))
-
-        blocks = jax.vmap(jax.jacfwd(scan_row))(rows)  # (rows, n_out, n_in)
         other = [i for i in range(x.ndim) if i != axis]
+        if 0 in shape:
+            # No entries: an empty partial.
+            blocks = jnp.zeros(tuple(shape[i] for i in other) + (n, n), out.dtype)
+        else:
+            rows = jnp.moveaxis(x, axis, -1).reshape((-1, n))
+
+            def scan_row(r):
+                return prim.bind(r, **dict(params, axis=0))
+
+            blocks = jax.vmap(jax.jacfwd(scan_row))(rows)  # (rows, n_out, n_in)
         blocks = blocks.reshape(tuple(shape[i] for i in other) + (n, n))
         out_labels = [("t", i) if i != axis else ("out",) for i in range(x.ndim)]
         in_labels = [("t", i) if i != axis else ("in",) for i in range(x.ndim)]
