@@ -941,14 +941,13 @@ def coo_product(a, b, plan: CooProductPlan, dtype):
     ):
         if isinstance(x, BandTensor) and not untie.identity:
             x = band_to_coo(x)
+        if x.val is None:
+            continue
+        parts = [x.val] if x.mask is None else [x.val, x.mask]
         if isinstance(x, BandTensor):
-            parts = [x.val] if x.mask is None else [x.val, x.mask]
             parts = [lax.reshape(part, (math.prod(part.shape),)) for part in parts]
             at = x.pattern.positions[idx]
-        elif x.val is None:
-            continue
         else:
-            parts = [x.val] if x.mask is None else [x.val, x.mask]
             parts = [untie.compact(part) for part in parts]
             at = untie.index(idx)
         aligned = []
