@@ -127,8 +127,18 @@ def _check(fun, build, argnums, order, sparse):
     _assert_close(_densify(result), expected)
 
 
-def _case(name, fun, build, argnums=0):
-    return pytest.param(fun, build, argnums, id=name)
+def _case(name, fun, build, argnums=0, marks=()):
+    return pytest.param(fun, build, argnums, id=name, marks=marks)
+
+
+# Which of several updates to one position a scatter writes is the backend's choice,
+# and on GPUs it varies between compiled programs: `jax.jacfwd`'s choice there need
+# not be `jacve`'s. `test_colliding_scatter_value_and_jacobian_agree` checks what
+# holds on every backend (value and Jacobian keep the same update).
+_SAME_WRITER_AS_REFERENCE = pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="colliding scatter updates: the written one is backend-chosen",
+)
 
 
 def _smooth(op):
@@ -357,6 +367,7 @@ _PRIMITIVE_CASES = [
         ),
         _inputs((5, 6), (4, 6)),
         (0, 1),
+        _SAME_WRITER_AS_REFERENCE,
     ),
     # Segment sums with constant ids (unsorted with an empty segment; sorted).
     _case(
@@ -612,7 +623,13 @@ _TRACED_CASES = [
         (0, 1),
     ),
     _case("scatter_add", _traced_scatter_add, _inputs((5, 6), (5, 6), (5, 6)), (0, 1)),
-    _case("scatter_set", _traced_scatter_set, _inputs((5, 6), (5, 6), (5, 6)), (0, 1)),
+    _case(
+        "scatter_set",
+        _traced_scatter_set,
+        _inputs((5, 6), (5, 6), (5, 6)),
+        (0, 1),
+        _SAME_WRITER_AS_REFERENCE,
+    ),
     _case(
         "segment_sum",
         lambda x, y: jnp.sin(

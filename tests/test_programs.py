@@ -901,7 +901,16 @@ P("int_array_arg", lambda x, n: x * n + jnp.sin(x), U(3), INT([1, 2, 3]))
 P("python_int_arg", lambda x, n: x**n, U(3), PY(3))
 P("int_array_power", lambda x, n: jnp.power(x, n), U(3, lo=0.5, hi=2.0), INT(3))
 P("python_float_arg_undiff", lambda x, s: jnp.sin(x) * s, U(3), PY(2.5))
-P("python_float_arg_diff", lambda x, s: jnp.sin(x) * s, U(3), PY(2.5), argnums=1)
+# The Jacobian is float64 (the dtype of `s`) but holds `sin(x)` computed in float32:
+# backends round float32 `sin` differently, so compare to float32 precision.
+P(
+    "python_float_arg_diff",
+    lambda x, s: jnp.sin(x) * s,
+    U(3),
+    PY(2.5),
+    argnums=1,
+    tol_dtype=np.float32,
+)
 P("python_float_times_literal", lambda x: 3.0 * x**2 + 1.0, PY(2.0))
 P(
     "bool_arg",
