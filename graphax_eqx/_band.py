@@ -416,7 +416,10 @@ def band_product(a, b, plan: BandProductPlan, dtype):
         # at once, as one broadcast multiply.
         da = plan.band_a.offsets[0]
         lo, hi = kbs[0], kbs[-1] + 1
-        block = _window(va, 0, 1, 0, n) * _window(vb, lo, hi, da, n)
+        rows_b = _window(vb, lo, hi, da, n)
+        block = lax.mul(
+            lax.broadcast_in_dim(_window(va, 0, 1, 0, n), rows_b.shape, (0, 1)), rows_b
+        )
         if masked:
             hit = lax.bitwise_and(_window(la, 0, 1, 0, n), _window(lb, lo, hi, da, n))
             block = lax.select(hit, block, lax.full_like(block, 0))
@@ -433,14 +436,14 @@ def band_product(a, b, plan: BandProductPlan, dtype):
             da = plan.band_a.offsets[ka]
             if ka not in rows_a:
                 rows_a[ka] = _window(va, ka, ka + 1, 0, n)
-            term = rows_a[ka] * _window(vb, kb, kb + 1, da, n)
+            term = lax.mul(rows_a[ka], _window(vb, kb, kb + 1, da, n))
             if masked:
                 if ka not in live_a:
                     live_a[ka] = _window(la, ka, ka + 1, 0, n)
                 hit = lax.bitwise_and(live_a[ka], _window(lb, kb, kb + 1, da, n))
                 term = lax.select(hit, term, lax.full_like(term, 0))
                 hits[kc] = hit if kc not in hits else lax.bitwise_or(hits[kc], hit)
-            acc[kc] = term if kc not in acc else acc[kc] + term
+            acc[kc] = term if kc not in acc else lax.add(acc[kc], term)
         zeros = lax.full((1, n), 0, dtype)
         val = lax.concatenate([acc.get(k, zeros) for k in range(n_c)], 0)
         if masked:
@@ -451,7 +454,7 @@ def band_product(a, b, plan: BandProductPlan, dtype):
     # zero against an infinite partial).
     stored = plan.pattern.stored
     if not stored.all():
-        val = jnp.where(jnp.asarray(stored), val, jnp.zeros((), dtype))
+        val = lax.select(jnp.asarray(stored), val, lax.full_like(val, 0))
     mask = None if live is None else lax.bitwise_not(live)
     return BandTensor(val, plan.pattern, jnp.dtype(dtype), mask)
 
@@ -496,7 +499,7 @@ def band_add(a, b, plan: BandSumPlan, dtype):
     at_b = [index[d] for d in plan.band_b.offsets]
     va, vb = ta.val.astype(dtype), tb.val.astype(dtype)
     if _contiguous(at_a) and _contiguous(at_b):
-        val = _place(va, at_a, n_c) + _place(vb, at_b, n_c)
+        val = lax.add(_place(va, at_a, n_c), _place(vb, at_b, n_c))
     else:
         zeros = jnp.zeros((n,), dtype)
         ia = dict(zip(at_a, range(len(at_a))))
@@ -508,7 +511,7 @@ def band_add(a, b, plan: BandSumPlan, dtype):
             if xa is None:
                 rows.append(zeros if xb is None else xb)
             else:
-                rows.append(xa if xb is None else xa + xb)
+                rows.append(xa if xb is None else lax.add(xa, xb))
         val = jnp.stack(rows)
     mask = None
     if ta.mask is not None or tb.mask is not None:
