@@ -150,7 +150,7 @@ def _check_differentiable(x, argnum: int, name: str):
 @dataclasses.dataclass
 class _Analysis:
     structure: Structure
-    orders: dict = dataclasses.field(default_factory=dict)
+    orders: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     plan: _Plan | None = None  # how a compiled eager run takes values, made once
 
 
@@ -377,11 +377,13 @@ def _eliminate(prep: _Prepared, order_spec, known: frozenset[int] = frozenset())
     structure = traced.structure
     flat_out, graph, adds0 = evaluate(traced.program, structure, prep.leaves, known)
     orders = traced.analysis.orders
-    order = orders.get(order_spec)
+    key = _orders_key(prep, order_spec)
+    order = None if key is None else orders.get(key)
     if order is None:
         sim_graph = graph.copy_with(sim_edge)
         order = resolve(order_spec, sim_graph, structure)
-        orders[order_spec] = order
+        if key is not None:
+            _remember(orders, key, order, _MAX_ORDERS)
     with sums_as_gathers():
         muls, adds, per_vertex = run_order(graph, order, real_product, real_add)
     counts = {
@@ -391,6 +393,52 @@ def _eliminate(prep: _Prepared, order_spec, known: frozenset[int] = frozenset())
         "order_counts": [int(m) for m in per_vertex],
     }
     return flat_out, graph, counts
+
+
+_MAX_ORDERS = 16
+
+
+def _orders_key(prep: _Prepared, order_spec):
+    """What an order resolved on `prep`'s graph is cached under, beside the analysis:
+    `order_spec` and the values the partials' patterns are computed from (literals,
+    and the leaves and consts the plan bakes in: static indices, masks), which the
+    analysis's fingerprint leaves out. `None` where they cannot be keyed."""
+    program = prep.traced.program
+    plan = _plan(prep.traced)
+    parts = []
+
+    def add(x) -> None:
+        if isinstance(x, jp.Tracer):
+            parts.append(("traced", jnp.shape(x), str(jnp.result_type(x))))
+            return
+        try:
+            a = np.asarray(x)
+        except Exception:  # e.g. typed PRNG keys, which have no bytes to key on
+            raise _Unkeyable from None
+        if a.dtype == object:
+            raise _Unkeyable
+        data = a.tobytes()
+        if len(data) > 64:
+            data = hashlib.blake2b(data, digest_size=32).digest()
+        parts.append((a.shape, a.dtype.str, data))
+
+    try:
+        for eqn in program.eqns:
+            for a in eqn.invars:
+                if isinstance(a, Lit):
+                    add(a.value)
+        for a in program.outvars:
+            if isinstance(a, Lit):
+                add(a.value)
+        for j in sorted(plan.baked_leaves):
+            add(prep.leaves[j])
+        for k in sorted(plan.baked_consts):
+            add(program.consts[k])
+        key = (order_spec, tuple(parts))
+        hash(key)
+    except (_Unkeyable, TypeError):
+        return None
+    return key
 
 
 def _zero_block(out_shape, in_shape, dtype, sparse):

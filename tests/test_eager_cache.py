@@ -358,3 +358,45 @@ def test_caches_are_bounded(monkeypatch):
         assert len(_jacve._COMPILED) <= 2
         assert len(_jacve._SIGHTINGS) <= 3
     assert len(_jacve._COMPILED) == 2
+
+
+_INDEX = {"value": np.arange(6)}
+
+
+def _indexed(x):
+    idx = _INDEX["value"]
+    a = jnp.sin(x)[idx]
+    b = jnp.cos(a * x[idx[::-1]])
+    c = jnp.cumsum(b)[idx] * a
+    return jnp.tanh(c) * jnp.sum(b)
+
+
+@pytest.mark.parametrize("order", ["markowitz", "min_fill", "auto"])
+def test_orders_follow_the_indices_of_each_call(order):
+    # Calls whose closed-over indices differ share one analysis of the program; the
+    # order a heuristic picks from the partials' patterns must be picked again.
+    x = jnp.arange(1.0, 7.0)
+    jac = gx.jacve(_indexed, order=order, count_ops=True)
+    picked = set()
+    for idx in [np.arange(6), np.zeros(6, int), np.arange(6), np.zeros(6, int)]:
+        _INDEX["value"] = idx
+        cost = gx.elimination_cost(_indexed, order=order)(x)
+        for _ in range(3):  # eager, then compiled
+            ours, counts = jac(x)
+            assert counts["order"] == list(cost.order)
+            assert counts["num_muls"] == cost.num_muls
+            assert tree_allclose(ours, jax.jacrev(_indexed)(x))
+        picked.add(tuple(cost.order))
+    if order == "auto":
+        assert len(picked) == 2
+
+
+def test_searched_order_is_checked_against_the_indices_of_each_call():
+    x = jnp.arange(1.0, 7.0)
+    _INDEX["value"] = np.arange(6)
+    order = gx.search_order(_indexed, budget_s=0.2, progress=False)(x).order
+    gx.jacve(_indexed, order=order)(x)
+    _INDEX["value"] = np.zeros(6, int)
+    with pytest.raises(ValueError, match="different computational graph"):
+        gx.jacve(_indexed, order=order)(x)
+    _INDEX["value"] = np.arange(6)
