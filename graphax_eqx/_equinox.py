@@ -17,7 +17,7 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import PyTree
 
-from ._jacve import _check_argnums, _normalise_argnums, jacve, value_and_jacve
+from ._jacve import _check_argnums, _describe_value, _JacVE, _normalise_argnums
 from ._orders import normalise_order
 
 
@@ -75,11 +75,16 @@ def _resolve_argnums(
     return _check_argnums(nums, num_args, api)
 
 
+def _check_callable(fun: Any, api: str) -> None:
+    if not callable(fun):
+        raise TypeError(f"`{api}` expects a callable, got {type(fun).__name__}.")
+
+
 def _split_output(api: str, out: Any) -> tuple[Any, Any]:
     if not (isinstance(out, tuple | list) and len(out) == 2):
         raise TypeError(
             f"`{api}(..., has_aux=True)` requires the function to return a pair "
-            f"`(output, aux)`; it returned an object of type `{type(out).__name__}`."
+            f"`(output, aux)`; it returned {_describe_value(out)}."
         )
     return out[0], out[1]
 
@@ -177,16 +182,13 @@ def _differentiate(
         traced["aux"] = (aux_treedef, aux_static)
         return out_leaves, aux_leaves
 
+    # The engine's errors (non-float outputs, an order made for another graph) name
+    # the function the user called.
     if with_value:
-        engine = value_and_jacve(flat_fun, order=order, argnums=0, has_aux=has_aux)
+        engine = _JacVE(flat_fun, order, 0, has_aux, False, False, True, api)
     else:
-        engine = jacve(
-            flat_fun,
-            order=order,
-            argnums=0,
-            has_aux=has_aux,
-            count_ops=count_ops,
-            sparse_representation=sparse_representation,
+        engine = _JacVE(
+            flat_fun, order, 0, has_aux, count_ops, sparse_representation, False, api
         )
 
     counts = None
@@ -413,6 +415,7 @@ def filter_jacve(
             )
 
         return decorator
+    _check_callable(fun, "filter_jacve")
     wrapper = _JacveWrapper(
         fun,
         "filter_jacve",
@@ -511,6 +514,7 @@ def filter_value_and_jacve(
             return filter_value_and_jacve(fun, order=order, has_aux=has_aux)
 
         return decorator
+    _check_callable(fun, "filter_value_and_jacve")
     wrapper = _ValueAndJacveWrapper(
         fun, _normalise_order(order, "filter_value_and_jacve"), has_aux
     )
@@ -574,6 +578,7 @@ def eqx_jacve(
     d_x.shape  # (2, 3)
     ```
     """
+    _check_callable(fun, "eqx_jacve")
     flat_nums, as_tuple = _normalise_argnums(argnums, "eqx_jacve")
     nums: int | tuple[int, ...] = flat_nums if as_tuple else flat_nums[0]
     wrapper = _JacveWrapper(

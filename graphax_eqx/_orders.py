@@ -8,8 +8,10 @@ import heapq
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
+from . import _jax_private as jp
 from ._graph import EdgeGraph
 from ._simulator import Cost, Simulator, State
 
@@ -113,7 +115,9 @@ def normalise_order(order, api: str = "jacve"):
                 "(see `graphax_eqx.make_graph`)."
             )
         return name
-    if isinstance(order, (set, frozenset, dict)) or not isinstance(
+    if isinstance(order, jax.Array) and not isinstance(order, jp.Tracer):
+        order = np.asarray(order)  # concrete ids, as a NumPy array would hold them
+    if isinstance(order, (set, frozenset, dict, bytes, bytearray)) or not isinstance(
         order, (Sequence, np.ndarray)
     ):
         kind = type(order).__name__

@@ -123,11 +123,14 @@ def elimination_cost(
     """What eliminating `fun`'s graph in `order` costs, without running any FLOPs.
 
     The graph is built abstractly (`jax.eval_shape`) and the order is simulated on
-    the partials' sparsity patterns alone, with the same plans the engine runs, so the
-    counts equal those of `jax.jit(jacve(fun, order, argnums, count_ops=True))`. An
-    eager call of `jacve` can count differently (usually fewer) where indices are
-    computed at run time (an integer argument, an `argsort`): it reads them as fixed
-    index maps.
+    the partials' sparsity patterns alone, with the same plans the engine runs.
+    Arguments not in `argnums` are read by value, as an eager call of `jacve` reads
+    them (an integer array of indices gives fixed index maps), and values computed
+    from the differentiated arguments are abstract, as under `jax.jit`. So the counts
+    equal those of `jax.jit(jacve(fun, order, argnums, count_ops=True))` where the
+    arguments not differentiated are closed over rather than passed through `jit`,
+    and an eager call can count fewer where indices are computed from the
+    differentiated input (an `argsort`): it reads them as fixed index maps.
 
     **Arguments:**
 
@@ -419,7 +422,9 @@ def load_order(path: str | os.PathLike) -> Order:
             f"this graphax_eqx reads version {_FORMAT_VERSION}."
         )
     try:
-        ids = tuple(int(v) for v in data["order"])
+        ids = tuple(data["order"])
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+            raise ValueError("its order holds entries that are not vertex ids")
         fingerprint = data["fingerprint"]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(
@@ -564,6 +569,13 @@ def search_order(
         raise ValueError(
             f"`search_order` got `max_evals={max_evals!r}`; use a positive int or None."
         )
+
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(
+            f"`search_order` got `seed={seed!r}`; use an int (the search is "
+            "deterministic for a seed)."
+        )
+    seed = int(seed)
 
     def run(*args, **kwargs) -> OrderSearch:
         pat = _patterns(fun, argnums, has_aux, args, kwargs, "search_order")

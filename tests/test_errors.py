@@ -261,3 +261,38 @@ def test_collectives_over_an_axis_mapped_inside_are_reductions(fun, plain, order
     jac = graphax_eqx.jacve(fun, order=order)
     got = (jax.jit(jac) if jit else jac)(x)
     np.testing.assert_allclose(got, jax.jacfwd(plain)(x), rtol=1e-6, atol=1e-6)
+
+
+def test_order_arguments_of_other_types():
+    _, ids = _intermediates()
+    # A bytes object is not read as the ids of its characters.
+    with pytest.raises(TypeError, match="type bytes"):
+        graphax_eqx.jacve(_f, order=b"rev")(_x())
+    # Concrete JAX arrays of ids are accepted as NumPy arrays are.
+    jac = graphax_eqx.jacve(_f, order=jnp.asarray(ids))(_x())
+    assert np.allclose(jac, jax.jacrev(_f)(_x()))
+
+
+@pytest.mark.parametrize("seed", [None, 1.5, "1", True])
+def test_search_seed_must_be_an_int(seed):
+    with pytest.raises(TypeError, match=r"`search_order` got `seed="):
+        graphax_eqx.search_order(_f, seed=seed, budget_s=0.1, progress=False)
+    found = graphax_eqx.search_order(
+        _f, seed=np.int64(3), budget_s=0.0, max_evals=5, progress=False
+    )(_x())
+    assert found.seed == 3 and type(found.seed) is int
+
+
+@pytest.mark.parametrize(
+    "make", ["filter_jacve", "filter_value_and_jacve", "eqx_jacve"]
+)
+def test_equinox_layer_errors_name_the_function_called(make):
+    transform = getattr(graphax_eqx, make)
+    with pytest.raises(TypeError, match=rf"^`{make}` expects a callable, got int"):
+        transform(3)
+    with pytest.raises(TypeError, match=rf"^`{make}` needs real floating-point"):
+        transform(lambda x: jnp.argmax(x))(_x())
+    with pytest.raises(
+        TypeError, match=rf"^`{make}\(\.\.\., has_aux=True\)`.*a single array of shape"
+    ):
+        transform(lambda x: x * 2.0, has_aux=True)(_x())

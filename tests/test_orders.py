@@ -433,7 +433,13 @@ def test_load_order_errors(tmp_path):
     # A saved order with a field missing or mangled.
     _, _, path, _ = _saved_and_loaded(tmp_path, 20)
     saved = json.loads(path.read_text())
-    for field, value in (("fingerprint", None), ("order", None), ("order", ["a"])):
+    for field, value in (
+        ("fingerprint", None),
+        ("order", None),
+        ("order", ["a"]),
+        ("order", [True, 2.7]),  # not read as ids 1 and 2
+        ("order", 7),
+    ):
         broken = dict(saved)
         if value is None:
             del broken[field]
