@@ -378,10 +378,10 @@ def test_orders_follow_the_indices_of_each_call(order):
     x = jnp.arange(1.0, 7.0)
     jac = gx.jacve(_indexed, order=order, count_ops=True)
     picked = set()
-    for idx in [np.arange(6), np.zeros(6, int), np.arange(6), np.zeros(6, int)]:
+    for idx in [np.arange(6), np.zeros(6, int), np.arange(6)]:
         _INDEX["value"] = idx
         cost = gx.elimination_cost(_indexed, order=order)(x)
-        for _ in range(3):  # eager, then compiled
+        for _ in range(2):  # eager, then compiled
             ours, counts = jac(x)
             assert counts["order"] == list(cost.order)
             assert counts["num_muls"] == cost.num_muls

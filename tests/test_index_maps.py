@@ -1418,6 +1418,9 @@ def test_tiled_pooling_reduces_over_split_axes(order):
         (eqx.nn.AvgPool2d(2, 2), (3, 6, 8), True),
         (eqx.nn.AvgPool2d(3, 3), (2, 7, 6), False),
     ]
+    # Reverse mode (a training step's) on every case; the other orders split them.
+    if order != "rev":
+        cases = cases[::2] if order == "fwd" else cases[1::2]
     for pool, shape, exact in cases:
 
         def f(x, pool=pool):
