@@ -411,15 +411,7 @@ def _orders_key(prep: _Prepared, order_spec):
         if isinstance(x, jp.Tracer):
             parts.append(("traced", jnp.shape(x), str(jnp.result_type(x))))
             return
-        try:
-            a = np.asarray(x)
-        except Exception:  # e.g. typed PRNG keys, which have no bytes to key on
-            raise _Unkeyable from None
-        if a.dtype == object:
-            raise _Unkeyable
-        data = a.tobytes()
-        if len(data) > 64:
-            data = hashlib.blake2b(data, digest_size=32).digest()
+        a, data = _value_bytes(x)
         parts.append((a.shape, a.dtype.str, data))
 
     try:
@@ -821,6 +813,21 @@ class _Same:
         return id(self.obj)
 
 
+def _value_bytes(x) -> tuple[np.ndarray, bytes]:
+    """`x` as a NumPy array, and its bytes to key on (a digest of large values, as
+    keys are kept)."""
+    try:
+        a = np.asarray(x)
+    except Exception:  # e.g. typed PRNG keys, which have no bytes to key on
+        raise _Unkeyable from None
+    if a.dtype == object:
+        raise _Unkeyable
+    data = a.tobytes()
+    if len(data) > 64:
+        data = hashlib.blake2b(data, digest_size=32).digest()
+    return a, data
+
+
 class _ValueKey:
     """The values a compiled run bakes in, collected into key parts; custom rules
     only `with_rules` (`has_rules` tells whether there are any)."""
@@ -832,17 +839,11 @@ class _ValueKey:
         self.has_rules = False
 
     def value(self, x) -> None:
-        try:
-            a = np.asarray(x)
-        except Exception:  # e.g. typed PRNG keys, which have no bytes to key on
-            raise _Unkeyable from None
+        a, data = _value_bytes(x)
         self.size += a.nbytes
-        if a.dtype == object or self.size > _MAX_KEY_BYTES:
+        if self.size > _MAX_KEY_BYTES:
             raise _Unkeyable
         weak = bool(getattr(jax.typeof(x), "weak_type", False))
-        data = a.tobytes()
-        if len(data) > 64:  # keys are kept: large values by digest
-            data = hashlib.blake2b(data, digest_size=32).digest()
         self.parts.append((type(x).__name__, weak, a.shape, a.dtype.str, data))
 
     def jaxpr(self, jaxpr, differentiated: bool) -> None:
