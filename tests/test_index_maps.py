@@ -1195,6 +1195,67 @@ def test_untie_gathers_from_the_value_not_its_broadcast(seed):
     np.testing.assert_array_equal(padded[..., untie.index(idx)], expected)
 
 
+# Colliding pairs added up by gathers
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [1, 1, 1],
+        [2],
+        [1, 3, 1, 2],
+        [8] * 5 + [1] * 40 + [5, 3],  # a mesh: diagonal blocks sum many edges
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33, 64, 1, 1],  # every count group
+        [1000, 2, 2, 1],  # skewed: one entry takes most pairs
+    ],
+)
+@pytest.mark.parametrize("lead", [(), (3,), (2, 4)])
+def test_segment_sums_by_gathers(counts, lead):
+    from graphax_eqx import _indexed
+
+    counts = np.asarray(counts)
+    seg = np.repeat(np.arange(len(counts)), counts)
+    plan = _indexed.segment_sum_plan(seg, len(counts))
+    # No group pads its rows to more than twice the pairs they hold.
+    for rest in plan.rest:
+        held = np.count_nonzero(rest < len(seg))
+        assert rest.size <= 2 * held
+    rng = np.random.default_rng(len(seg) + len(lead))
+    x = rng.standard_normal(lead + (len(seg),))
+    expected = np.zeros(lead + (len(counts),))
+    np.add.at(np.moveaxis(expected, -1, 0), seg, np.moveaxis(x, -1, 0))
+    got = _indexed._segment_sum_last(jnp.asarray(x), plan)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+    live = jnp.asarray(rng.integers(0, 2, size=lead + (len(seg),)), jnp.int32)
+    expected_live = np.zeros(lead + (len(counts),), np.int64)
+    np.add.at(
+        np.moveaxis(expected_live, -1, 0), seg, np.moveaxis(np.asarray(live), -1, 0)
+    )
+    np.testing.assert_array_equal(_indexed._segment_sum_last(live, plan), expected_live)
+
+
+def test_colliding_products_run_without_scatters():
+    # A spring network: each node's diagonal block sums its edges. The Jacobian's
+    # pairs collide on the diagonal, and are added up by gathers.
+    senders = np.array([0, 1, 2, 3, 0, 1])
+    receivers = np.array([1, 2, 3, 0, 2, 3])
+
+    def forces(x):
+        d = x[receivers] - x[senders]
+        f = d * jnp.sqrt(jnp.sum(d * d, axis=-1, keepdims=True))
+        return jax.ops.segment_sum(f, senders, 4) - jax.ops.segment_sum(f, receivers, 4)
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 2)))
+    for order in ("fwd", "rev", "markowitz"):
+        jac = graphax_eqx.jacve(forces, order=order, sparse_representation=True)
+        np.testing.assert_allclose(
+            jac(x).todense(), jax.jacfwd(forces)(x), rtol=1e-12, atol=1e-12
+        )
+        text = jax.jit(jac).lower(x).as_text()
+        assert "scatter" not in text, order
+
+
 def test_untie_index_of_an_empty_pattern():
     from graphax_eqx import _indexed
 
