@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -10,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.extend.linear_util as jex_lu
 import jax.numpy as jnp
@@ -1091,6 +1093,26 @@ def _run_compiled(prep: _Prepared, order_spec, as_tuple: bool, sparse: bool):
     return jac, out, aux, counts
 
 
+_EQX_ERROR = "_EquinoxRuntimeError: "
+
+
+@contextlib.contextmanager
+def _equinox_errors():
+    """An `eqx.error_if` that fires in an eager call raises `eqx.EquinoxRuntimeError`
+    with its message, as it does eagerly or under `eqx.filter_jit`, rather than the
+    runtime error of the callback it runs as. (Under `jax.jit` JAX raises that error
+    after the call, as it does for `jax.jit(jax.jacfwd(f))`.)"""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        text = str(e)
+        if _EQX_ERROR not in text:
+            raise
+        message = text.split(_EQX_ERROR, 1)[1].split("\n\n\n", 1)[0].strip()
+        error = getattr(eqx, "EquinoxRuntimeError", RuntimeError)
+        raise error(message) from None
+
+
 class _JacVE:
     """The callable returned by `jacve` / `value_and_jacve`."""
 
@@ -1115,17 +1137,18 @@ class _JacVE:
         axes = jp.explicit_axes(
             list(prep.leaves) + list(program.consts), [e.params for e in program.eqns]
         )
-        if axes is None:
-            done = _run_compiled(prep, self.order_spec, self.as_tuple, self.sparse)
-            if done is None:
-                done = _run(prep, self.order_spec, self.as_tuple, self.sparse)
-            jac, out, aux, counts = done
-            if not self.sparse:
-                jac = _eager_layout(prep, jac)
-        else:
-            jac, out, aux, counts = _run_auto(
-                prep, axes, self.order_spec, self.as_tuple, self.sparse
-            )
+        with _equinox_errors():
+            if axes is None:
+                done = _run_compiled(prep, self.order_spec, self.as_tuple, self.sparse)
+                if done is None:
+                    done = _run(prep, self.order_spec, self.as_tuple, self.sparse)
+                jac, out, aux, counts = done
+                if not self.sparse:
+                    jac = _eager_layout(prep, jac)
+            else:
+                jac, out, aux, counts = _run_auto(
+                    prep, axes, self.order_spec, self.as_tuple, self.sparse
+                )
         if self.with_value:
             result = ((out, aux) if self.has_aux else out), jac
         else:

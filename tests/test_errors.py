@@ -1,5 +1,6 @@
 """Errors raised by `jacve` at its API boundary."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -296,3 +297,28 @@ def test_equinox_layer_errors_name_the_function_called(make):
         TypeError, match=rf"^`{make}\(\.\.\., has_aux=True\)`.*a single array of shape"
     ):
         transform(lambda x: x * 2.0, has_aux=True)(_x())
+
+
+def test_equinox_runtime_errors_raise_as_in_equinox():
+    # An `eqx.error_if` that fires raises `eqx.EquinoxRuntimeError` with its message
+    # in eager calls (the first runs operation by operation, the next compiled), as
+    # eager `jax.jacfwd` does, not the runtime error of the callback it runs as.
+    def f(x):
+        x = eqx.error_if(x, x < 0, "negative input")
+        return jnp.sin(x)
+
+    with pytest.raises(eqx.EquinoxRuntimeError, match="negative input"):
+        jax.jacfwd(f)(-jnp.ones(3))
+    for jac in (
+        graphax_eqx.jacve(f),
+        graphax_eqx.filter_jacve(f),
+        graphax_eqx.filter_value_and_jacve(f),
+    ):
+        for _ in range(3):
+            with pytest.raises(eqx.EquinoxRuntimeError, match="^negative input$"):
+                jac(-jnp.ones(3))
+        np.testing.assert_allclose(
+            np.asarray(graphax_eqx.jacve(f)(jnp.ones(3))), np.diag(np.cos(np.ones(3)))
+        )
+    with pytest.raises(eqx.EquinoxRuntimeError, match="negative input"):
+        eqx.filter_jit(graphax_eqx.filter_jacve(f))(-jnp.ones(3))
