@@ -154,6 +154,7 @@ class _Analysis:
     structure: Structure
     orders: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     plan: _Plan | None = None  # how a compiled eager run takes values, made once
+    callbacks: bool | None = None  # whether the program calls back to Python
 
 
 _ANALYSES: OrderedDict[Any, _Analysis] = OrderedDict()
@@ -1113,6 +1114,46 @@ def _equinox_errors():
         raise error(message) from None
 
 
+def _jaxprs_in(value):
+    if isinstance(value, jp.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jp.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _jaxprs_in(v)
+
+
+def _calls_back(eqns) -> bool:
+    """Whether any equation, at any nesting level, is a host callback."""
+    for e in eqns:
+        prim = e.prim if hasattr(e, "prim") else e.primitive
+        if "callback" in str(prim):
+            return True
+        for value in e.params.values():
+            if any(_calls_back(j.eqns) for j in _jaxprs_in(value)):
+                return True
+    return False
+
+
+def _block_if_calling_back(prep: _Prepared, results) -> None:
+    """Wait for the results of an eager call whose program calls back to Python, so
+    that an error raised there (`eqx.error_if`) is raised by the call, as eager JAX
+    and `eqx.filter_jit` raise it, not by whatever next waits on a result."""
+    leaves = [
+        x
+        for x in jtu.tree_leaves(results)
+        if isinstance(x, jax.Array) and not isinstance(x, jp.Tracer)
+    ]
+    if not leaves:
+        return
+    analysis = prep.traced.analysis
+    if analysis.callbacks is None:
+        analysis.callbacks = _calls_back(prep.traced.program.eqns)
+    if analysis.callbacks:
+        jax.block_until_ready(leaves)
+
+
 class _JacVE:
     """The callable returned by `jacve` / `value_and_jacve`."""
 
@@ -1149,6 +1190,7 @@ class _JacVE:
                 jac, out, aux, counts = _run_auto(
                     prep, axes, self.order_spec, self.as_tuple, self.sparse
                 )
+            _block_if_calling_back(prep, (jac, out, aux))
         if self.with_value:
             result = ((out, aux) if self.has_aux else out), jac
         else:
