@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from .helpers import check_jacve, graph_of, reference_jacobians
 
 
-MAX_EXAMPLES = int(os.environ.get("GRAPHAX_HYPOTHESIS_EXAMPLES", "15"))
+MAX_EXAMPLES = int(os.environ.get("GRAPHAX_HYPOTHESIS_EXAMPLES", "10"))
 
 # Every unary operation here is smooth (or has JAX-defined one-sided behaviour) on all
 # of the reals, so random compositions stay inside each operation's domain.

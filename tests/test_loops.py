@@ -21,7 +21,7 @@ from graphax_eqx._sparse import linear_map
 from .helpers import tolerances
 
 
-_ORDERS = ["fwd", "rev", "markowitz", "min_fill", "auto"]
+_ORDERS = ["fwd", "rev", "markowitz", "auto"]
 
 
 def _matrix(n, seed, dtype):
