@@ -301,8 +301,9 @@ def test_equinox_layer_errors_name_the_function_called(make):
 
 def test_equinox_runtime_errors_raise_as_in_equinox():
     # An `eqx.error_if` that fires raises `eqx.EquinoxRuntimeError` with its message
-    # in eager calls (the first runs operation by operation, the next compiled), as
-    # eager `jax.jacfwd` does, not the runtime error of the callback it runs as.
+    # in every eager call, as eager `jax.jacfwd` does, not the runtime error of the
+    # callback it runs as. (Its check reads the differentiated input, so such a
+    # program always runs operation by operation: it is never compiled eagerly.)
     def f(x):
         x = eqx.error_if(x, x < 0, "negative input")
         return jnp.sin(x)
