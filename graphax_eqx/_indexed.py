@@ -844,6 +844,8 @@ def segment_sum_plan(seg: np.ndarray, n: int) -> SegmentSum:
 
 
 def _with_zero(x: Array) -> Array:
+    """`x` with a zero after the last entry of its last axis (the index one past the
+    end then selects it)."""
     return jnp.concatenate([x, jnp.zeros(tuple(x.shape[:-1]) + (1,), x.dtype)], -1)
 
 
@@ -969,9 +971,7 @@ def _emit_terms(terms: tuple[tuple[Array, np.ndarray], ...]) -> Array:
     for base, index in terms:
         n = base.shape[-1]
         if np.any(index == n):
-            base = jnp.concatenate(
-                [base, jnp.zeros(base.shape[:-1] + (1,), base.dtype)], -1
-            )
+            base = _with_zero(base)
         part = _take_last(base, index)
         total = part if total is None else lax.add(total, part)
     assert total is not None
