@@ -398,6 +398,42 @@ def _place(rows: Array, at: list[int], n_out: int) -> Array:
     return lax.pad(rows, zero, ((at[0], n_out - at[-1] - 1, 0), (0, 0, 0)))
 
 
+# A product of an A with at least this many diagonals and a B with one is taken as one
+# block. (With fewer diagonals of A, one row per term fuses as well and runs faster:
+# the stacked windows index by division.)
+BAND_A_ROWS = 4
+
+
+def _as_one_block(plan: BandProductPlan) -> bool:
+    """Whether `plan` is taken as one block: B has one diagonal, A several, and every
+    diagonal of A lands on consecutive diagonals of the result."""
+    if len(plan.band_b.offsets) != 1 or len(plan.band_a.offsets) < BAND_A_ROWS:
+        return False
+    kas = [ka for ka, _, _ in plan.terms]
+    kcs = [kc for _, _, kc in plan.terms]
+    return _contiguous(kas) and _contiguous(kcs)
+
+
+def _stacked_windows(val: Array, row: int, shifts: list[int], n: int) -> Array:
+    """`val[row, shift + r]` for each shift in `shifts` (one row each) and `r` in
+    `0..n-1`, zero where out of range."""
+    if len(shifts) == 1:
+        return _window(val, row, row + 1, shifts[0], n)
+    k = len(shifts)
+    if shifts != list(range(shifts[0], shifts[0] + k)):
+        rows = [_window(val, row, row + 1, shift, n) for shift in shifts]
+        return lax.concatenate(rows, 0)
+    # Consecutive shifts: the row, padded to the `m = n + k - 1` entries every window
+    # reads, repeated `k + 1` times and read as `k` rows of `m + 1` entries starts
+    # each row one entry later: `out[j, r] = row[r + j]`. One fusible expression, where
+    # a concatenate of `k` windows would compile to `k` separate loops.
+    m = n + k - 1
+    row_vals = _window(val, row, row + 1, shifts[0], m).reshape(m)
+    tiled = lax.broadcast_in_dim(row_vals, (k + 1, m), (1,)).reshape((k + 1) * m)
+    rows = lax.slice(tiled, (0,), (k * (m + 1),)).reshape(k, m + 1)
+    return lax.slice(rows, (0, 0), (k, n))
+
+
 def band_product(a, b, plan: BandProductPlan, dtype):
     ta = to_band(a, plan.band_a, dtype)
     tb = to_band(b, plan.band_b, dtype)
@@ -422,6 +458,24 @@ def band_product(a, b, plan: BandProductPlan, dtype):
         )
         if masked:
             hit = lax.bitwise_and(_window(la, 0, 1, 0, n), _window(lb, lo, hi, da, n))
+            block = lax.select(hit, block, lax.full_like(block, 0))
+            live = _place(hit, kcs, n_c)
+        val = _place(block, kcs, n_c)
+    elif _as_one_block(plan):
+        # One diagonal of B (a column scaling or a shift) and many of A (reverse mode
+        # through a widening band): each diagonal of A meets B's row shifted by its
+        # own offset, and each diagonal of the result has one term. The shifted rows
+        # are stacked and multiplied by A's diagonals at once.
+        kas = [ka for ka, _, _ in plan.terms]
+        shifts = [plan.band_a.offsets[ka] for ka in kas]
+        block = lax.mul(
+            _window(va, kas[0], kas[-1] + 1, 0, n), _stacked_windows(vb, 0, shifts, n)
+        )
+        if masked:
+            hit = lax.bitwise_and(
+                _window(la, kas[0], kas[-1] + 1, 0, n),
+                _stacked_windows(lb, 0, shifts, n),
+            )
             block = lax.select(hit, block, lax.full_like(block, 0))
             live = _place(hit, kcs, n_c)
         val = _place(block, kcs, n_c)

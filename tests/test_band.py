@@ -200,3 +200,54 @@ def test_band_results_claim_no_sorted_order_they_lack():
     assert scatters
     assert not any(e.params["indices_are_sorted"] for e in scatters)
     np.testing.assert_allclose(jac.dense(), jax.jacfwd(f)(x), rtol=1e-5, atol=1e-6)
+
+
+def test_band_products_as_one_block(monkeypatch):
+    # Reverse mode multiplies a widening band by elementwise partials: one block
+    # each. A `where` whose discarded branch has infinite partials (sqrt at 0) gives
+    # selected-away slots, which must stay out of the result exactly as on
+    # coordinates.
+    def f(u):
+        for _ in range(3):
+            root = jnp.sqrt(jnp.abs(u[1:-1]))
+            lap = u[2:] - 2 * u[1:-1] + u[:-2]
+            step = jnp.where(u[1:-1] > 0.2, 0.1 * lap * root, 0.05 * lap)
+            u = jnp.concatenate([u[:1], u[1:-1] + step, u[-1:]])
+        return u
+
+    taken = []
+    original = _band._as_one_block
+
+    def spy(plan):
+        used = original(plan)
+        taken.append(used)
+        return used
+
+    x = jnp.linspace(-1.0, 1.0, N).at[N // 2].set(0.0).at[100].set(0.0)
+    ref = np.asarray(jax.jacfwd(f)(x))
+    monkeypatch.setattr(_band, "_as_one_block", spy)
+    _clear()
+    got = {o: np.asarray(gx.jacve(f, order=o)(x)) for o in ("rev", "markowitz")}
+    assert any(taken), "no product was taken as one block"
+    _without_bands(monkeypatch)
+    for order, value in got.items():
+        want = np.asarray(gx.jacve(f, order=order)(x))
+        np.testing.assert_array_equal(np.isnan(value), np.isnan(want))
+        np.testing.assert_array_equal(np.isnan(value), np.isnan(ref))
+        np.testing.assert_allclose(
+            np.nan_to_num(value, nan=0.0), np.nan_to_num(ref, nan=0.0), rtol=1e-6
+        )
+    _clear()
+
+
+@pytest.mark.parametrize("shifts", [[-3, -2, -1, 0, 1], [2, 3], [-1], [0, 2, 5]])
+def test_stacked_windows(shifts):
+    val = np.arange(3 * 12, dtype=np.float32).reshape(3, 12)
+    n = 10
+    got = np.asarray(_band._stacked_windows(jnp.asarray(val), 1, shifts, n))
+    want = np.zeros((len(shifts), n), np.float32)
+    for j, s in enumerate(shifts):
+        for r in range(n):
+            if 0 <= r + s < val.shape[1]:
+                want[j, r] = val[1, r + s]
+    np.testing.assert_array_equal(got, want)
