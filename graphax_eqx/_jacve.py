@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import math
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -155,6 +156,8 @@ class _Analysis:
     orders: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     plan: _Plan | None = None  # how a compiled eager run takes values, made once
     callbacks: bool | None = None  # whether the program calls back to Python
+    array_ops: int | None = None  # distinct operations on arrays (not scalars)
+    keyed: int = 0  # keys an eager call has come with, for this structure
 
 
 _ANALYSES: OrderedDict[Any, _Analysis] = OrderedDict()
@@ -751,8 +754,15 @@ def _eager_layout(prep: _Prepared, jac):
 #   its JVP (VJP) is traced afresh and keyed by structure and values. Any other
 #   callable in params (callbacks) is keyed by identity.
 #
-# The first call with a key runs eagerly (one-off calls compile nothing), and so does
-# every call with values too large to key, under a trace, or on several devices.
+# The first call with a key runs eagerly, and so does every call with values too
+# large to key, under a trace, or on several devices. Run one operation at a time,
+# an array program compiles an XLA executable for every operation of new shapes, and
+# compiling the whole function is 5-13x faster (`benchmarks/NOTES.md`); scalar
+# programs reuse a few cached executables and run faster eagerly. So the first call
+# compiles at once where the program has at least `_COMPILE_FIRST_OPS` distinct array
+# operations and no call has come with its structure before. A loop that closes over
+# a new Python float each time (an ODE's time) makes a new key on every call; it
+# compiles on its first call only, and runs eagerly after that, as before.
 # Tracing rules costs time, so they join the key only once the rest of it has come
 # round before: a program with custom derivatives compiles on its third call.
 #
@@ -760,6 +770,7 @@ def _eager_layout(prep: _Prepared, jac):
 _MAX_COMPILED = 64
 _MAX_SIGHTINGS = 256
 _COMPILE_AT = 2  # the call with a key that compiles
+_COMPILE_FIRST_OPS = 4
 # Values keyed by value (literals, consts in params, values shaping the graph) up to
 # this many bytes per call; beyond, the call runs eagerly.
 _MAX_KEY_BYTES = 1 << 20
@@ -1032,6 +1043,38 @@ def _compile(prep: _Prepared, plan: _Plan, order_spec, sparse: bool) -> _Compile
     return entry
 
 
+def _array_program(traced: _Traced) -> bool:
+    """Whether `traced` has at least `_COMPILE_FIRST_OPS` distinct operations on
+    arrays: each would compile an executable of its own in an eager run."""
+    analysis = traced.analysis
+    if analysis.array_ops is None:
+        program = traced.program
+        avals = program.avals
+
+        def aval(a):
+            if isinstance(a, Lit):
+                return (jnp.shape(a.value), str(jnp.result_type(a.value)))
+            shape, dtype = avals[a]
+            return (tuple(shape), str(dtype))
+
+        seen = set()
+        for eqn in program.eqns:
+            types = tuple(aval(a) for a in eqn.invars) + tuple(
+                aval(v) for v in eqn.outvars
+            )
+            if all(math.prod(shape) <= 1 for shape, _ in types):
+                continue
+            params = tuple((k, _param_key(v)) for k, v in sorted(eqn.params.items()))
+            try:
+                key = (str(eqn.prim), types, params)
+                hash(key)
+            except TypeError:
+                key = (str(eqn.prim), types)
+            seen.add(key)
+        analysis.array_ops = len(seen)
+    return analysis.array_ops >= _COMPILE_FIRST_OPS
+
+
 def _on_one_device(values) -> bool:
     devices: set = set()
     for x in values:
@@ -1044,8 +1087,8 @@ def _on_one_device(values) -> bool:
 
 def _run_compiled(prep: _Prepared, order_spec, as_tuple: bool, sparse: bool):
     """`_run` as one compiled function; `None` where it does not apply: under a
-    trace, on several devices, on the first call with a key, or with nothing sound
-    to key on."""
+    trace, on several devices, on the first call with a key (unless `first`, below),
+    or with nothing sound to key on."""
     program = prep.traced.program
     if not get_abstract_mesh().empty:
         return None
@@ -1054,13 +1097,17 @@ def _run_compiled(prep: _Prepared, order_spec, as_tuple: bool, sparse: bool):
     plan = _plan(prep.traced)
     if not plan.compilable:
         return None
+    analysis = prep.traced.analysis
+    # A structure no eager call has come with yet: an array program compiles now.
+    first = analysis.keyed == 0 and _array_program(prep.traced)
     try:
         key, rules = _compiled_key(prep, plan, order_spec, sparse, False)
         hash(key)
         if rules:
             if not _SIGHTINGS.get(key):
                 _remember(_SIGHTINGS, key, 1, _MAX_SIGHTINGS)
-                return None
+                if not first:
+                    return None
             key, _ = _compiled_key(prep, plan, order_spec, sparse, True)
             hash(key)
     except (_Unkeyable, TypeError):
@@ -1072,7 +1119,9 @@ def _run_compiled(prep: _Prepared, order_spec, as_tuple: bool, sparse: bool):
         if seen is None:
             return None
         _remember(_SIGHTINGS, key, seen + 1, _MAX_SIGHTINGS)
-        if seen + 1 < _COMPILE_AT:
+        if seen == 0:
+            analysis.keyed += 1
+        if seen + 1 < _COMPILE_AT and not first:
             return None
         entry = _compile(prep, plan, order_spec, sparse)
     dyn_leaves = [x for j, x in enumerate(prep.leaves) if j not in plan.baked_leaves]

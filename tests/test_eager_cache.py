@@ -1,5 +1,6 @@
-"""Eager calls run compiled from the second call with the same key on: closed-over
-values are still read afresh on every call, results match an eager run and JAX."""
+"""Eager calls run compiled from the second call with the same key on (from the first,
+for array programs of a structure not seen before): closed-over values are still read
+afresh on every call, results match an eager run and JAX."""
 
 import equinox as eqx
 import jax
@@ -25,9 +26,11 @@ _X = jnp.array([0.3, -1.2, 2.0, 0.7])
 def fresh_caches():
     _jacve._COMPILED.clear()
     _jacve._SIGHTINGS.clear()
+    _jacve._ANALYSES.clear()
     yield
     _jacve._COMPILED.clear()
     _jacve._SIGHTINGS.clear()
+    _jacve._ANALYSES.clear()
 
 
 @pytest.fixture
@@ -400,3 +403,56 @@ def test_searched_order_is_checked_against_the_indices_of_each_call():
     with pytest.raises(ValueError, match="different computational graph"):
         gx.jacve(_indexed, order=order)(x)
     _INDEX["value"] = np.arange(6)
+
+
+def _array_program(x):
+    # Enough distinct operations on arrays to compile on the first call.
+    y = jnp.pad(x, (1, 1), mode="reflect")
+    return jnp.cumsum(jnp.sin(y[1:] * y[:-1]))[::2] + jnp.outer(x, x).sum(0)[:4]
+
+
+def test_array_program_compiles_on_its_first_call():
+    x = jnp.linspace(0.1, 1.0, 6)
+    jac = gx.jacve(_array_program)
+    assert tree_allclose(jac(x), jax.jacfwd(_array_program)(x))
+    assert _compiled() == 1
+    assert tree_allclose(jac(2 * x), jax.jacfwd(_array_program)(2 * x))
+    assert _compiled() == 1
+
+
+def test_scalar_program_runs_eagerly_on_its_first_call():
+    def f(a, b):
+        return jnp.sin(a * b) + jnp.cos(a) / b, a * jnp.exp(b)
+
+    jac = gx.jacve(f, argnums=(0, 1))
+    want = jax.jacrev(f, argnums=(0, 1))(0.3, 1.2)
+    assert tree_allclose(jac(0.3, 1.2), want)
+    assert _compiled() == 0
+    assert tree_allclose(jac(0.3, 1.2), want)
+    assert _compiled() == 1
+
+
+def test_loop_over_closed_over_floats_compiles_once():
+    # Every call has a new literal, so a new key: only the first call compiles, the
+    # rest run eagerly (as they did before), and each reads its own value.
+    x = jnp.linspace(0.1, 1.0, 6)
+    for i in range(4):
+        t = 0.25 * (i + 1)
+
+        def f(u):
+            return jnp.cumsum(jnp.sin(t * u[1:]) * jnp.pad(u, 1)[2:-1]) + t * u[:-1]
+
+        assert tree_allclose(gx.jacve(f)(x), jax.jacfwd(f)(x))
+        assert _compiled() == 1
+
+
+def test_array_program_with_custom_rules_compiles_on_its_first_call():
+    # `jax.nn.relu` has a custom JVP: its rule is traced into the first call's key.
+    model = eqx.nn.MLP(4, 3, 8, 2, key=jr.key(0))
+    x = jnp.array([0.3, -1.2, 2.0, 0.7])
+    jac = gx.filter_jacve(lambda m, x: m(x))
+    want = eqx.filter_jacrev(lambda m, x: m(x))(model, x)
+    assert tree_allclose(jac(model, x), want)
+    assert _compiled() == 1
+    assert tree_allclose(jac(model, x), want)
+    assert _compiled() == 1
