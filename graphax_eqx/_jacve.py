@@ -764,7 +764,8 @@ def _eager_layout(prep: _Prepared, jac):
 # a new Python float each time (an ODE's time) makes a new key on every call; it
 # compiles on its first call only, and runs eagerly after that, as before.
 # Tracing rules costs time, so they join the key only once the rest of it has come
-# round before: a program with custom derivatives compiles on its third call.
+# round before: a program with custom derivatives compiles on its third call (on its
+# first where it compiles at once, as above).
 #
 
 _MAX_COMPILED = 64
