@@ -156,7 +156,7 @@ class _Analysis:
     orders: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     plan: _Plan | None = None  # how a compiled eager run takes values, made once
     callbacks: bool | None = None  # whether the program calls back to Python
-    array_ops: int | None = None  # distinct operations on arrays (not scalars)
+    on_arrays: bool | None = None  # whether any operation is on arrays, not scalars
     keyed: int = 0  # keys an eager call has come with, for this structure
 
 
@@ -757,12 +757,12 @@ def _eager_layout(prep: _Prepared, jac):
 # The first call with a key runs eagerly, and so does every call with values too
 # large to key, under a trace, or on several devices. Run one operation at a time,
 # an array program compiles an XLA executable for every operation of new shapes, and
-# compiling the whole function is 5-13x faster (`benchmarks/NOTES.md`); scalar
-# programs reuse a few cached executables and run faster eagerly. So the first call
-# compiles at once where the program has at least `_COMPILE_FIRST_OPS` distinct array
-# operations and no call has come with its structure before. A loop that closes over
-# a new Python float each time (an ODE's time) makes a new key on every call; it
-# compiles on its first call only, and runs eagerly after that, as before.
+# compiling the whole function is 3-13x faster (`benchmarks/NOTES.md`); programs of
+# scalars only reuse a few cached executables and run faster eagerly. So the first
+# call compiles at once where the program has an operation on arrays and no call has
+# come with its structure before. A loop that closes over a new Python float each
+# time (an ODE's time) makes a new key on every call; it compiles on its first call
+# only, and runs eagerly after that, as before.
 # Tracing rules costs time, so they join the key only once the rest of it has come
 # round before: a program with custom derivatives compiles on its third call (on its
 # first where it compiles at once, as above).
@@ -771,7 +771,6 @@ def _eager_layout(prep: _Prepared, jac):
 _MAX_COMPILED = 64
 _MAX_SIGHTINGS = 256
 _COMPILE_AT = 2  # the call with a key that compiles
-_COMPILE_FIRST_OPS = 4
 # Values keyed by value (literals, consts in params, values shaping the graph) up to
 # this many bytes per call; beyond, the call runs eagerly.
 _MAX_KEY_BYTES = 1 << 20
@@ -1045,35 +1044,21 @@ def _compile(prep: _Prepared, plan: _Plan, order_spec, sparse: bool) -> _Compile
 
 
 def _array_program(traced: _Traced) -> bool:
-    """Whether `traced` has at least `_COMPILE_FIRST_OPS` distinct operations on
-    arrays: each would compile an executable of its own in an eager run."""
+    """Whether `traced` operates on arrays (not only scalars): run one operation at a
+    time, its elimination would compile an executable for each new shape."""
     analysis = traced.analysis
-    if analysis.array_ops is None:
+    if analysis.on_arrays is None:
         program = traced.program
-        avals = program.avals
 
-        def aval(a):
+        def size(a) -> int:
             if isinstance(a, Lit):
-                return (jnp.shape(a.value), str(jnp.result_type(a.value)))
-            shape, dtype = avals[a]
-            return (tuple(shape), str(dtype))
+                return math.prod(jnp.shape(a.value))
+            return math.prod(program.avals[a][0])
 
-        seen = set()
-        for eqn in program.eqns:
-            types = tuple(aval(a) for a in eqn.invars) + tuple(
-                aval(v) for v in eqn.outvars
-            )
-            if all(math.prod(shape) <= 1 for shape, _ in types):
-                continue
-            params = tuple((k, _param_key(v)) for k, v in sorted(eqn.params.items()))
-            try:
-                key = (str(eqn.prim), types, params)
-                hash(key)
-            except TypeError:
-                key = (str(eqn.prim), types)
-            seen.add(key)
-        analysis.array_ops = len(seen)
-    return analysis.array_ops >= _COMPILE_FIRST_OPS
+        analysis.on_arrays = any(
+            size(a) > 1 for e in program.eqns for a in (*e.invars, *e.outvars)
+        )
+    return analysis.on_arrays
 
 
 def _on_one_device(values) -> bool:

@@ -187,10 +187,21 @@ def test_rules_are_traced_from_the_second_call_on(monkeypatch):
         _jacve._ValueKey, "rule", lambda *a: traced.append(1) or rule(*a)
     )
     f = lambda x: jax.nn.relu(x) * x
+    # A function of scalars runs eagerly on its first two calls, and traces its rules
+    # into the key from the second on.
+    x = jnp.asarray(0.3)
     for calls in range(1, 5):
-        assert tree_allclose(gx.jacve(f)(_X), jax.jacrev(f)(_X))
+        assert tree_allclose(gx.jacve(f)(x), jax.jacrev(f)(x))
         assert len(traced) == calls - 1
         assert _compiled() == (calls >= 3)
+    # A function on arrays, of a structure not seen before, compiles on its first
+    # call, with its rules in the key.
+    traced.clear()
+    _jacve._COMPILED.clear()
+    for calls in range(1, 4):
+        assert tree_allclose(gx.jacve(f)(_X), jax.jacrev(f)(_X))
+        assert len(traced) == calls
+        assert _compiled() == 1
 
 
 def _callback_scale(c):
