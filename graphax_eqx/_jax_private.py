@@ -22,6 +22,7 @@ from jax._src import core as _core, mesh as _mesh_lib, sharding_impls as _shardi
 from jax._src.lax import lax as _lax_internal
 from jax.core import Tracer as Tracer
 from jax.extend.core import primitives as jex_prims
+from jax.interpreters import ad as _ad, batching as _batching, mlir as _mlir
 from jax.sharding import (
     AbstractMesh,
     AxisType,
@@ -720,3 +721,40 @@ def stale_closure(params: dict, num_tangents: int) -> bool:
         isinstance(c, Tracer) and id(getattr(c, "_trace", None)) not in live
         for c in consts
     )
+
+
+# A value that XLA CPU should compute once. Its fusion pass counts `sin`, `cos` and
+# `tan` of real numbers among the cheap operations, which it recomputes inside every
+# kernel that reads them rather than write them to memory once: a kinematic chain's
+# dozen sines became over a hundred, and most of the run time. Division is not
+# cheap to it, so on the CPU `materialise(x)` is `x / ((x - x) + 1)`, which it does
+# not duplicate. That is `x` exactly wherever `x` is finite or NaN (every sine and
+# cosine), and XLA does not fold `x - x` of floats. Elsewhere, and in eager calls, it
+# is `x` itself. Its derivative passes tangents through untouched.
+materialise_p = jex_core.Primitive("materialise")
+materialise_p.def_impl(lambda x: x)
+materialise_p.def_abstract_eval(lambda aval: aval)
+_ad.primitive_jvps[materialise_p] = lambda primals, tangents: (
+    materialise_p.bind(*primals),
+    tangents[0],
+)
+_batching.defvectorized(materialise_p)
+_mlir.register_lowering(materialise_p, lambda ctx, x: [x])
+
+
+def _divide_by_one(x):
+    return x / ((x - x) + 1)
+
+
+def _materialise_cpu(ctx, x):
+    if not jax.numpy.issubdtype(ctx.avals_in[0].dtype, jax.numpy.floating):
+        return [x]
+    return _mlir.lower_fun(_divide_by_one, multiple_results=False)(ctx, x)
+
+
+_mlir.register_lowering(materialise_p, _materialise_cpu, platform="cpu")
+
+
+def materialise(x):
+    """`x`, computed once by XLA CPU rather than inside each kernel that reads it."""
+    return materialise_p.bind(x)

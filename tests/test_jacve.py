@@ -267,3 +267,56 @@ def test_min_max_derivatives_under_jit(fun, order, argnums):
                 lambda s: s.dense(), jac, is_leaf=lambda s: hasattr(s, "dense")
             )
         assert_tree_matches(jac, expected)
+
+
+def _planar_arm(q1, q2, q3, q4):
+    # Every joint's sine and cosine is read by the rotations of all later links.
+    c, s = jnp.ones_like(q1), jnp.zeros_like(q1)
+    x = y = 0.0
+    for length, q in zip((1.0, 0.8, 0.6, 0.4), (q1, q2, q3, q4), strict=True):
+        cq, sq = jnp.cos(q), jnp.sin(q)
+        c, s = c * cq - s * sq, s * cq + c * sq
+        x, y = x + length * c, y + length * s
+    return x, y, jnp.tan(0.5 * q4) * c
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])
+def test_sines_are_computed_once(order):
+    # XLA CPU counts sines and cosines as cheap and would compute each again inside
+    # every kernel that reads it; the compiled program holds each one once.
+    key = jax.random.split(jax.random.PRNGKey(0), 4)
+    qs = tuple(jax.random.uniform(k, (64,), minval=-3.0, maxval=3.0) for k in key)
+    argnums = (0, 1, 2, 3)
+    jac = graphax_eqx.jacve(_planar_arm, order=order, argnums=argnums)
+    jac = jax.jit(jax.vmap(jac))
+    assert_tree_matches(jac(*qs), jax.vmap(jax.jacfwd(_planar_arm, argnums))(*qs))
+    if jax.default_backend() == "cpu":
+        text = jac.lower(*qs).compile().as_text()
+        assert text.count(" sine(") <= 4
+        assert text.count(" cosine(") <= 4
+        assert text.count(" tan(") <= 1
+
+
+def test_shared_sines_keep_values_and_derivatives():
+    # Values as `jax.jit` computes them; derivatives through every transformation.
+    x = jnp.linspace(-7.0, 7.0, 29, dtype=jnp.float32)
+
+    def f(x):
+        return jnp.sin(x), jnp.cos(x), jnp.tan(0.2 * x)
+
+    values, _ = jax.jit(graphax_eqx.value_and_jacve(f))(x)
+    for a, b in zip(values, jax.jit(f)(x), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    def g(x):
+        return jnp.sum(jnp.sin(x) * jnp.cos(2 * x))
+
+    xd = x.astype(jnp.float64)
+    expected = jax.hessian(g)(xd)
+    for order in ("fwd", "rev"):
+        inner = graphax_eqx.jacve(g, order=order)
+        assert_tree_matches(graphax_eqx.jacve(inner, order=order)(xd), expected)
+        assert_tree_matches(jax.jit(jax.jacfwd(inner))(xd), expected)
+        assert_tree_matches(jax.jit(jax.jacrev(inner))(xd), expected)
+        batch = jnp.stack([xd, 0.5 * xd])
+        assert_tree_matches(jax.vmap(inner)(batch), jax.vmap(jax.grad(g))(batch))
