@@ -264,7 +264,7 @@ _SUM_SCALES = {
     lax.convert_element_type_p: (1,),
     lax.reduce_precision_p: (1,),
     lax.copy_p: (1,),
-    jp.materialise_p: (1,),
+    jp.compute_once_p: (1,),
 }
 
 

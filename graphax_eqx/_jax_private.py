@@ -727,34 +727,35 @@ def stale_closure(params: dict, num_tangents: int) -> bool:
 # `tan` of real numbers among the cheap operations, which it recomputes inside every
 # kernel that reads them rather than write them to memory once: a kinematic chain's
 # dozen sines became over a hundred, and most of the run time. Division is not
-# cheap to it, so on the CPU `materialise(x)` is `x / ((x - x) + 1)`, which it does
-# not duplicate. That is `x` exactly wherever `x` is finite or NaN (every sine and
-# cosine), and XLA does not fold `x - x` of floats. Elsewhere, and in eager calls, it
-# is `x` itself. Its derivative passes tangents through untouched.
-materialise_p = jex_core.Primitive("materialise")
-materialise_p.def_impl(lambda x: x)
-materialise_p.def_abstract_eval(lambda aval: aval)
-_ad.primitive_jvps[materialise_p] = lambda primals, tangents: (
-    materialise_p.bind(*primals),
+# cheap to it, so on the CPU `compute_once(x)` is `x / ((x - x) + 1)`, which it does
+# not duplicate, and XLA does not fold `x - x` of floats. That is `x` exactly for
+# finite and NaN `x` but subnormal ones, which XLA CPU's arithmetic flushes to zero (a
+# sine or tangent is subnormal only where its argument is). Elsewhere, and in eager
+# calls, it is `x` itself. Its derivative passes tangents through untouched.
+compute_once_p = jex_core.Primitive("compute_once")
+compute_once_p.def_impl(lambda x: x)
+compute_once_p.def_abstract_eval(lambda aval: aval)
+_ad.primitive_jvps[compute_once_p] = lambda primals, tangents: (
+    compute_once_p.bind(*primals),
     tangents[0],
 )
-_batching.defvectorized(materialise_p)
-_mlir.register_lowering(materialise_p, lambda ctx, x: [x])
+_batching.defvectorized(compute_once_p)
+_mlir.register_lowering(compute_once_p, lambda ctx, x: [x])
 
 
 def _divide_by_one(x):
     return x / ((x - x) + 1)
 
 
-def _materialise_cpu(ctx, x):
+def _compute_once_cpu(ctx, x):
     if not jax.numpy.issubdtype(ctx.avals_in[0].dtype, jax.numpy.floating):
         return [x]
     return _mlir.lower_fun(_divide_by_one, multiple_results=False)(ctx, x)
 
 
-_mlir.register_lowering(materialise_p, _materialise_cpu, platform="cpu")
+_mlir.register_lowering(compute_once_p, _compute_once_cpu, platform="cpu")
 
 
-def materialise(x):
+def compute_once(x):
     """`x`, computed once by XLA CPU rather than inside each kernel that reads it."""
-    return materialise_p.bind(x)
+    return compute_once_p.bind(x)

@@ -115,7 +115,7 @@ _LINEAR = {
     lax.sub_p,
     lax.neg_p,
     lax.copy_p,
-    jp.materialise_p,
+    jp.compute_once_p,
 }
 _MIN_MANTISSA_BITS = 7  # bfloat16's, not counting the implicit one
 # Nonlinear in any operand the seed reaches: they pick, order or multiply entries by
@@ -197,7 +197,7 @@ _KEEP_ZERO = {
     lax.dynamic_slice_p,
     lax.gather_p,
     lax.copy_p,
-    jp.materialise_p,
+    jp.compute_once_p,
     lax.convert_element_type_p,
     lax.reduce_precision_p,
     lax.neg_p,

@@ -256,8 +256,8 @@ _formulas = {
     lax.div_p: lambda p, out, i, _: _full(
         1 / p[1] if i == 0 else -out * (1 / p[1]), out
     ),
-    lax.sin_p: lambda p, out, i, _: jp.materialise(jnp.cos(p[0])),
-    lax.cos_p: lambda p, out, i, _: -jp.materialise(jnp.sin(p[0])),
+    lax.sin_p: lambda p, out, i, _: jp.compute_once(jnp.cos(p[0])),
+    lax.cos_p: lambda p, out, i, _: -jp.compute_once(jnp.sin(p[0])),
     lax.tan_p: lambda p, out, i, _: 1 + out * out,
     lax.exp_p: lambda p, out, i, _: out,
     lax.log_p: lambda p, out, i, _: 1 / p[0],
@@ -270,7 +270,7 @@ _formulas = {
 
 
 # Sines, cosines and tangents are read by many products; XLA CPU would compute them
-# anew in each (see `_jax_private.materialise`).
+# anew in each (see `_jax_private.compute_once`).
 _SHARED = {lax.sin_p, lax.cos_p, lax.tan_p}
 
 
@@ -281,7 +281,7 @@ def elementwise_rule_for(prim):
     def rule(primals, active, **params):
         out = prim.bind(*primals, **params)
         if shared:
-            out = jp.materialise(out)
+            out = jp.compute_once(out)
         out_shape = shape_of(out)
         partials = {}
         for i, a in enumerate(active):
@@ -385,7 +385,7 @@ for _prim, _scales in [
     (lax.convert_element_type_p, (None,)),
     (lax.reduce_precision_p, (None,)),
     (lax.copy_p, (None,)),
-    (jp.materialise_p, (None,)),
+    (jp.compute_once_p, (None,)),
 ]:
     if _prim is not None:
         register(_prim)(_linear_rule(_prim, _scales))
