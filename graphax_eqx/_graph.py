@@ -27,6 +27,7 @@ from . import _jax_private as jp
 from ._complex import realify
 from ._rules import get_rule, zero_derivative
 from ._rules.custom import check_rules_inside
+from ._rules.elementwise import computed_once
 from ._sparse import LinearMap, add, diagonal, should_materialise, to_sparse
 
 
@@ -512,6 +513,10 @@ def evaluate(
                 outs = jp.bind(eqn.prim, eqn.params, *ins)
         else:
             outs = jp.bind(eqn.prim, eqn.params, *ins)
+            if eqn.prim in computed_once:
+                # A sine off the derivative's path (of an angle not differentiated)
+                # is as shared by the products as one on it.
+                outs = [jp.compute_once(o) for o in outs]
         for v, val in zip(eqn.outvars, outs, strict=True):
             env[v] = val
     flat_out = [read(a) for a in program.outvars]

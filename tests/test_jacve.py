@@ -297,6 +297,22 @@ def test_sines_are_computed_once(order):
         assert text.count(" tan(") <= 1
 
 
+def test_sines_of_arguments_not_differentiated_are_computed_once():
+    # The joint angles are fixed; the Jacobian is taken with respect to the lengths.
+    def arm(lengths, q):
+        c, s = jnp.cos(jnp.cumsum(q)), jnp.sin(jnp.cumsum(q))
+        return lengths * c, lengths * s, jnp.sum(lengths * lengths * c * s)
+
+    lengths = jnp.linspace(0.5, 1.0, 64).reshape(16, 4)
+    q = jnp.linspace(-2.0, 2.0, 64).reshape(16, 4)
+    jac = jax.jit(jax.vmap(graphax_eqx.jacve(arm)))
+    assert_tree_matches(jac(lengths, q), jax.vmap(jax.jacfwd(arm))(lengths, q))
+    if jax.default_backend() == "cpu":
+        text = jac.lower(lengths, q).compile().as_text()
+        assert text.count(" sine(") <= 1
+        assert text.count(" cosine(") <= 1
+
+
 def test_shared_sines_keep_values_and_derivatives():
     # Values as `jax.jit` computes them; derivatives through every transformation.
     x = jnp.linspace(-7.0, 7.0, 29, dtype=jnp.float32)

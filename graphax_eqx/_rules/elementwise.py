@@ -271,12 +271,12 @@ _formulas = {
 
 # Sines, cosines and tangents are read by many products; XLA CPU would compute them
 # anew in each (see `_jax_private.compute_once`).
-_SHARED = {lax.sin_p, lax.cos_p, lax.tan_p}
+computed_once = {lax.sin_p, lax.cos_p, lax.tan_p}
 
 
 def elementwise_rule_for(prim):
     formula = _formulas.get(prim)
-    shared = prim in _SHARED
+    shared = prim in computed_once
 
     def rule(primals, active, **params):
         out = prim.bind(*primals, **params)
