@@ -239,35 +239,6 @@ def resolve_order(
     return order
 
 
-def same_order_as(
-    fun: Callable,
-    args: Sequence[Any],
-    order: str | Sequence[int],
-    *,
-    argnums: int | Sequence[int] = 0,
-    has_aux: bool = False,
-) -> str | None:
-    """The order among fwd, rev and Markowitz (each a test case of its own) whose
-    vertex sequence a greedy heuristic or `auto` picks on `fun`, if any.
-
-    Names are resolved to vertex sequences before any elimination, so running the
-    same sequence again tests nothing new; on most small programs they agree.
-    (`auto`'s choice itself is tested in tests/test_orders.py.)
-    """
-    if not isinstance(order, str) or order not in (
-        "relative_markowitz",
-        "min_fill",
-        "auto",
-    ):
-        return None
-    graph = graphax_eqx.make_graph(fun, argnums=argnums, has_aux=has_aux)(*args)
-    ids = graph.counts(order)["order"]
-    for other in ("fwd", "rev", "markowitz"):
-        if graph.counts(other)["order"] == ids:
-            return other
-    return None
-
-
 def check_jacve(
     fun: Callable,
     args: Sequence[Any],

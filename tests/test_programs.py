@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 from jax import lax
 
+import graphax_eqx
+
 from .helpers import (
     ORDERS,
     check_jacve,
     doubled_sin,
     reference_jacobians,
-    same_order_as,
     tolerances,
 )
 
@@ -1112,11 +1113,26 @@ def _references(name: str, dtype_name: str) -> dict[str, Any]:
     )
 
 
+def _same_order_as(program: Program, args: tuple, order: str) -> str | None:
+    """The order among fwd, rev and Markowitz (each a case of its own) that a greedy
+    heuristic picks the same vertex sequence as, if any: on most of these small
+    programs the heuristics agree, and running that elimination again tests nothing
+    new."""
+    if order not in ("relative_markowitz", "min_fill"):
+        return None
+    graph = graphax_eqx.make_graph(
+        program.fun, argnums=program.argnums, has_aux=program.has_aux
+    )(*args)
+    ids = graph.counts(order)["order"]
+    for other in ("fwd", "rev", "markowitz"):
+        if graph.counts(other)["order"] == ids:
+            return other
+    return None
+
+
 def _run(program: Program, dtype: Any, order: str) -> None:
     args = program.args(dtype)
-    same = same_order_as(
-        program.fun, args, order, argnums=program.argnums, has_aux=program.has_aux
-    )
+    same = _same_order_as(program, args, order)
     if same is not None:
         pytest.skip(f"{order!r} eliminates in the same order as {same!r} here")
     rtol = atol = None
