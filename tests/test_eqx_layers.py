@@ -53,15 +53,9 @@ def _plain(layer, x):
     return _Case(layer, x, (), lambda m, x: m(x))
 
 
-def _with_state(make, x, call=None):
+def _with_state(make, x):
     layer, state = eqx.nn.make_with_state(make)()
-    call = call or (lambda m, x, state: m(x, state))
-    return _Case(layer, x, (state,), call, stateful=True)
-
-
-def _rotary(x):
-    layer = eqx.nn.RotaryPositionalEmbedding(4, dtype=F32)
-    return _Case(layer, x, (), lambda m, x: m(x))
+    return _Case(layer, x, (state,), lambda m, x, state: m(x, state), stateful=True)
 
 
 def _gru():
@@ -307,7 +301,9 @@ CASES: dict[str, list[Callable[[], _Case]]] = {
         )
     ],
     "RMSNorm": [lambda: _plain(eqx.nn.RMSNorm(4, dtype=F32), _normal(4))],
-    "RotaryPositionalEmbedding": [lambda: _rotary(_normal(3, 4))],
+    "RotaryPositionalEmbedding": [
+        lambda: _plain(eqx.nn.RotaryPositionalEmbedding(4, dtype=F32), _normal(3, 4))
+    ],
     "Sequential": [_stateful_sequential],
     "Shared": [lambda: _plain(_SharedLinears(_key(25)), _normal(3))],
     "SpectralNorm": [_spectral_norm, _spectral_norm_inference],
