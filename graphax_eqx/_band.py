@@ -122,8 +122,15 @@ class BandTensor(BlockShape, eqx.Module):
 def _banded(exact: CooPattern, relaxed: bool = False) -> BandPattern | None:
     """`exact` as a band, if it is a large, tie-free 1-D pattern dense on few
     diagonals. `relaxed`: any size and density (for an operand meeting a band)."""
-    if exact.ties or len(exact.out_shape) != 1 or len(exact.in_shape) != 1:
+    if not (_one_axis(exact.out_shape) and _one_axis(exact.in_shape)):
         return None
+    if any(exact.out_shape[o] != 1 for o, _ in exact.ties):
+        return None
+    if exact.ties:
+        # Ties of axes of length 1 add nothing to the flat indices: drop them.
+        exact = CooPattern(
+            exact.out_shape, exact.in_shape, (), (), exact.rows, exact.cols
+        )
     if exact.nnz == 0:
         return None
     return _band_if_worth(exact, np.unique(exact.cols - exact.rows), relaxed)
@@ -149,14 +156,17 @@ def band_of(p: Any, relaxed: bool = False) -> BandPattern | None:
     """The band a partial of pattern `p` converts to, or `None`.
 
     Bands stay bands; tie-free coordinate patterns qualify by `_banded`; a labeled
-    pattern qualifies when it is elementwise on one axis (the main diagonal).
+    pattern qualifies when it is elementwise on one axis (the main diagonal). Only
+    one axis of the output and one of the input may be longer than 1: unit axes
+    (a reshape to `(1, 1, n)` for a convolution, say) do not change the flattened
+    matrix.
     `relaxed` drops the size and density conditions: for an operand meeting a band.
     """
     if isinstance(p, BandPattern):
         return p
     if isinstance(p, CooPattern):
         return _banded(p, relaxed)
-    if isinstance(p, Pattern) and len(p.out_shape) == 1 and _is_elementwise(p):
+    if isinstance(p, Pattern) and _is_elementwise(p):
         n = math.prod(p.out_shape)
         if n < BAND_MIN_ROWS and not relaxed:
             return None
@@ -166,12 +176,19 @@ def band_of(p: Any, relaxed: bool = False) -> BandPattern | None:
     return None
 
 
+def _one_axis(shape: tuple[int, ...]) -> bool:
+    """Whether at most one axis of `shape` is longer than 1."""
+    return sum(d != 1 for d in shape) <= 1
+
+
 def _is_elementwise(p: Pattern) -> bool:
-    k = len(p.out_shape)
-    if p.out_shape != p.in_shape:
+    """Whether `p` is the diagonal of one axis, up to axes of length 1."""
+    if not (_one_axis(p.out_shape) and _one_axis(p.in_shape)):
         return False
-    out, inn = p.labels[:k], p.labels[k:]
-    return out == inn and len(set(out)) == k
+    k = len(p.out_shape)
+    out = [label for label, d in zip(p.labels[:k], p.out_shape) if d != 1]
+    inn = [label for label, d in zip(p.labels[k:], p.in_shape) if d != 1]
+    return len(out) == 1 and out == inn
 
 
 def to_band(x, bp: BandPattern, dtype) -> BandTensor:
@@ -183,10 +200,12 @@ def to_band(x, bp: BandPattern, dtype) -> BandTensor:
         # One axis, elementwise: its (broadcast) value is the main diagonal.
         # Stored values are already zero where selected away.
         mask = full_mask(x)
-        diag = _broadcast_val(x, (0,))
+        # Every label: the diagonal's, and those of axes of length 1.
+        labels = tuple(range(x.pattern.num_labels))
+        diag = _broadcast_val(x, labels)
         if mask is not None:
             selected = SparseTensor(mask, x.pattern, jnp.dtype(bool))
-            mask = _broadcast_val(selected, (0,)).reshape(1, n_rows)
+            mask = _broadcast_val(selected, labels).reshape(1, n_rows)
         return BandTensor(
             diag.reshape(1, n_rows).astype(dtype), bp, jnp.dtype(dtype), mask
         )
@@ -205,9 +224,12 @@ def to_band(x, bp: BandPattern, dtype) -> BandTensor:
         )
         return flat.reshape(n_diag, n_rows)
 
-    val = slots(x.val.astype(dtype), 0)
+    # A tie of axes of length 1 that varies gives the values a leading unit axis.
+    val = slots(x.val.astype(dtype).reshape(-1), 0)
     mask = (
-        None if x.mask is None else slots(jnp.broadcast_to(x.mask, x.val.shape), True)
+        None
+        if x.mask is None
+        else slots(jnp.broadcast_to(x.mask, x.val.shape).reshape(-1), True)
     )
     return BandTensor(val, bp, jnp.dtype(dtype), mask)
 

@@ -1361,6 +1361,81 @@ def test_convolution_entries_from_parameters(seed):
         checked += 1
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_single_feature_convolutions_are_summed_by_taps(seed):
+    """On the CPU, a convolution whose outputs each read one input feature is
+    evaluated as a sum of strided slices times kernel entries (XLA CPU's convolution
+    kernels are several times slower there): the same values as
+    `lax.conv_general_dilated` for any layout, stride, dilation, padding and feature
+    groups, eagerly and under `jit`; the Jacobian with respect to the input then
+    compiles to no convolution at all."""
+    from graphax_eqx._rules.linalg import _conv_value, _tap_sum_applies
+
+    rng = np.random.default_rng(seed)
+    layouts = {
+        1: [("NCH", "OIH", "NCH"), ("NHC", "HIO", "NHC"), ("HNC", "OHI", "CHN")],
+        2: [
+            ("NCHW", "OIHW", "NCHW"),
+            ("NHWC", "HWIO", "NHWC"),
+            ("CWNH", "IWHO", "WHNC"),
+        ],
+        3: [("NCDHW", "OIDHW", "NCDHW"), ("NDHWC", "DHWIO", "NDHWC")],
+    }
+    checked = 0
+    while checked < 5:
+        nd = int(rng.integers(1, 4))
+        groups = int(rng.choice([1, 2, 3]))
+        per_group = int(rng.choice([1, 2]))
+        specs = layouts[nd][int(rng.integers(0, len(layouts[nd])))]
+        dtype = np.float64 if checked % 2 else np.float32
+        axes = {1: "H", 2: "HW", 3: "DHW"}[nd]
+        spatial = dict(zip(axes, rng.integers(2, 7, nd).tolist()))
+        kernel = dict(zip(axes, rng.integers(1, 4, nd).tolist()))
+        lhs = rng.standard_normal(
+            [{"N": 2, "C": groups, **spatial}[c] for c in specs[0]]
+        ).astype(dtype)
+        rhs = rng.standard_normal(
+            [{"O": groups * per_group, "I": 1, **kernel}[c] for c in specs[1]]
+        ).astype(dtype)
+        strides = rng.integers(1, 3, nd).tolist()
+        padding = [(int(lo), int(hi)) for lo, hi in rng.integers(-1, 3, (nd, 2))]
+        lhs_dilation = rng.integers(1, 3, nd).tolist()
+        rhs_dilation = rng.integers(1, 3, nd).tolist()
+
+        def conv(x, k, args=(strides, padding, lhs_dilation, rhs_dilation)):
+            return lax.conv_general_dilated(
+                x, k, *args, dimension_numbers=specs, feature_group_count=groups
+            )
+
+        try:
+            expected = conv(lhs, rhs)
+        except (TypeError, ValueError):  # an output axis of negative size
+            continue
+        if expected.size == 0:
+            continue
+        (eqn,) = jax.make_jaxpr(conv)(lhs, rhs).jaxpr.eqns
+        assert _tap_sum_applies(lhs, rhs, eqn.params) == (
+            jax.default_backend() == "cpu"
+        )
+        eager = _conv_value(jnp.asarray(lhs), jnp.asarray(rhs), eqn.params)
+        jitted = jax.jit(lambda x, k, p=eqn.params: _conv_value(x, k, p))(lhs, rhs)
+        for got in (eager, jitted):
+            assert_tree_matches(got, expected)  # tolerances of the dtype
+
+        def f(x, k):
+            return jnp.sin(conv(x * x, k))
+
+        jac = graphax_eqx.jacve(f, order="rev", argnums=(0, 1))
+        assert_tree_matches(
+            jax.jit(jac)(lhs, rhs), jax.jacfwd(f, argnums=(0, 1))(lhs, rhs)
+        )
+        if jax.default_backend() == "cpu":
+            # The input's partial is the kernel's entries: nothing else convolves.
+            jac_x = jax.jit(graphax_eqx.jacve(f, order="rev"))
+            assert "convolution(" not in jac_x.lower(lhs, rhs).compile().as_text()
+        checked += 1
+
+
 @pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])
 def test_window_sum_past_the_pattern_size_is_a_linear_map(order, monkeypatch):
     """A windowed sum too large for a pattern is applied as the linear map it is,

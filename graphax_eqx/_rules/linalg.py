@@ -155,10 +155,93 @@ def _conv_entries(params, lhs_shape, rhs_shape, out_shape):
     )
 
 
+# Convolutions reading one input feature per output feature are evaluated tap by tap
+# on the CPU up to this many kernel entries per output.
+_MAX_TAP_SUM = 64
+
+
+def _tap_sum_applies(lhs, rhs, params) -> bool:
+    """Whether `_conv_by_taps` evaluates this convolution: on the CPU, whose
+    convolution kernels are slow when each output reads one input feature (3-50x
+    slower than the sum of shifted slices on a single-feature input), for real
+    floating-point operands of one dtype, up to `_MAX_TAP_SUM` taps."""
+    if jax.default_backend() != "cpu" or params["batch_group_count"] != 1:
+        return False
+    dtype = jnp.result_type(lhs)
+    if dtype not in (jnp.float32, jnp.float64) or jnp.result_type(rhs) != dtype:
+        return False
+    preferred = params.get("preferred_element_type")
+    if preferred is not None and np.dtype(preferred) != dtype:
+        return False
+    _, rhs_spec, _ = params["dimension_numbers"]
+    rhs_shape = shape_of(rhs)
+    taps = math.prod(rhs_shape[d] for d in rhs_spec[2:])
+    return rhs_shape[rhs_spec[1]] == 1 and 0 < taps <= _MAX_TAP_SUM
+
+
+def _conv_by_taps(lhs, rhs, params, out_shape):
+    """`conv_general_dilated(lhs, rhs)` where each output feature reads one input
+    feature: per kernel entry, a strided slice of the padded input times that entry,
+    summed (the same products, added in kernel order)."""
+    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+    nd = len(lhs_spec) - 2
+    x = lax.transpose(lhs, tuple(lhs_spec))  # (batch, features, *spatial)
+    w = lax.transpose(rhs, tuple(rhs_spec))  # (out features, 1, *kernel)
+    n_batch, n_feat = x.shape[:2]
+    n_out = w.shape[0]
+    per_group = n_out // params["feature_group_count"]
+    out_spatial = tuple(out_shape[out_spec[2 + d]] for d in range(nd))
+    lhs_dilation = params["lhs_dilation"] or (1,) * nd
+    rhs_dilation = params["rhs_dilation"] or (1,) * nd
+    strides = params["window_strides"]
+    zero = lax.full((), 0, x.dtype)
+    x = lax.pad(
+        x,
+        zero,
+        ((0, 0, 0), (0, 0, 0))
+        + tuple(
+            (lo, hi, lhs_dilation[d] - 1)
+            for d, (lo, hi) in enumerate(params["padding"])
+        ),
+    )
+    canonical = (n_batch, n_out) + out_spatial
+    total = None
+    for tap in np.ndindex(*w.shape[2:]):
+        start = (0, 0) + tuple(t * r for t, r in zip(tap, rhs_dilation, strict=True))
+        limit = (n_batch, n_feat) + tuple(
+            s + (o - 1) * st + 1
+            for s, o, st in zip(start[2:], out_spatial, strides, strict=True)
+        )
+        window = lax.slice(x, start, limit, (1, 1) + tuple(strides))
+        if n_feat != 1 and per_group != 1:
+            # Output feature `o` reads input feature `o // per_group`.
+            window = lax.broadcast_in_dim(
+                window,
+                (n_batch, n_feat, per_group) + out_spatial,
+                (0, 1) + tuple(range(3, 3 + nd)),
+            ).reshape(canonical)
+        else:
+            window = lax.broadcast_in_dim(window, canonical, tuple(range(2 + nd)))
+        weight = lax.broadcast_in_dim(w[(slice(None), 0) + tap], canonical, (1,))
+        term = lax.mul(window, weight)
+        total = term if total is None else lax.add(total, term)
+    assert total is not None  # at least one tap
+    return lax.transpose(total, tuple(int(i) for i in np.argsort(out_spec)))
+
+
+def _conv_value(lhs, rhs, params):
+    out = jax.eval_shape(
+        lambda a, b: lax.conv_general_dilated_p.bind(a, b, **params), lhs, rhs
+    )
+    if math.prod(out.shape) and _tap_sum_applies(lhs, rhs, params):
+        return _conv_by_taps(lhs, rhs, params, out.shape)
+    return lax.conv_general_dilated_p.bind(lhs, rhs, **params)
+
+
 @register(lax.conv_general_dilated_p)
 def _conv(primals, active, **params):
     lhs, rhs = primals
-    out = lax.conv_general_dilated_p.bind(lhs, rhs, **params)
+    out = _conv_value(lhs, rhs, params)
     out_shape = shape_of(out)
     rhs_spec = params["dimension_numbers"].rhs_spec
     # Each output entry is a dot product over one kernel's input window.
