@@ -1361,8 +1361,7 @@ def test_convolution_entries_from_parameters(seed):
         checked += 1
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_single_feature_convolutions_are_summed_by_taps(seed):
+def test_single_feature_convolutions_are_summed_by_taps():
     """On the CPU, a convolution whose outputs each read one input feature is
     evaluated as a sum of strided slices times kernel entries (XLA CPU's convolution
     kernels are several times slower there): the same values as
@@ -1371,7 +1370,7 @@ def test_single_feature_convolutions_are_summed_by_taps(seed):
     compiles to no convolution at all."""
     from graphax_eqx._rules.linalg import _conv_value, _tap_sum_applies
 
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     layouts = {
         1: [("NCH", "OIH", "NCH"), ("NHC", "HIO", "NHC"), ("HNC", "OHI", "CHN")],
         2: [
@@ -1382,7 +1381,7 @@ def test_single_feature_convolutions_are_summed_by_taps(seed):
         3: [("NCDHW", "OIDHW", "NCDHW"), ("NDHWC", "DHWIO", "NDHWC")],
     }
     checked = 0
-    while checked < 5:
+    while checked < 12:
         nd = int(rng.integers(1, 4))
         groups = int(rng.choice([1, 2, 3]))
         per_group = int(rng.choice([1, 2]))
@@ -1422,6 +1421,10 @@ def test_single_feature_convolutions_are_summed_by_taps(seed):
         for got in (eager, jitted):
             assert_tree_matches(got, expected)  # tolerances of the dtype
 
+        checked += 1
+        if checked % 3:
+            continue  # the parity tables run such convolutions through every order
+
         def f(x, k):
             return jnp.sin(conv(x * x, k))
 
@@ -1433,7 +1436,6 @@ def test_single_feature_convolutions_are_summed_by_taps(seed):
             # The input's partial is the kernel's entries: nothing else convolves.
             jac_x = jax.jit(graphax_eqx.jacve(f, order="rev"))
             assert "convolution(" not in jac_x.lower(lhs, rhs).compile().as_text()
-        checked += 1
 
 
 @pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])
