@@ -1294,6 +1294,15 @@ def test_constant_coefficients_are_not_gathered_through_broadcasts():
         _assert_close(fn(x).dense(), jax.jacfwd(_periodic_laplacian)(x))
 
 
+# Convolution layouts (lhs, rhs, out) per number of spatial axes, the usual ones and
+# a scrambled one.
+_CONV_LAYOUTS = {
+    1: [("NCH", "OIH", "NCH"), ("NHC", "HIO", "NHC"), ("HNC", "OHI", "CHN")],
+    2: [("NCHW", "OIHW", "NCHW"), ("NHWC", "HWIO", "NHWC"), ("CWNH", "IWHO", "WHNC")],
+    3: [("NCDHW", "OIDHW", "NCDHW"), ("NDHWC", "DHWIO", "NDHWC")],
+}
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_convolution_entries_from_parameters(seed):
     """The entries of a convolution's index map computed from its parameters equal
@@ -1301,14 +1310,7 @@ def test_convolution_entries_from_parameters(seed):
     from graphax_eqx._rules.linalg import _conv_entries, _conv_maps
 
     rng = np.random.default_rng(seed)
-    layouts = {
-        1: [("NCH", "OIH", "NCH"), ("NHC", "HIO", "NHC"), ("HNC", "OHI", "CHN")],
-        2: [
-            ("NCHW", "OIHW", "NCHW"),
-            ("NHWC", "HWIO", "NHWC"),
-            ("CWNH", "IWHO", "WHNC"),
-        ],
-    }
+    layouts = _CONV_LAYOUTS
     checked = 0
     while checked < 12:
         nd = int(rng.integers(1, 3))
@@ -1371,15 +1373,7 @@ def test_single_feature_convolutions_are_summed_by_taps():
     from graphax_eqx._rules.linalg import _conv_value, _tap_sum_applies
 
     rng = np.random.default_rng(0)
-    layouts = {
-        1: [("NCH", "OIH", "NCH"), ("NHC", "HIO", "NHC"), ("HNC", "OHI", "CHN")],
-        2: [
-            ("NCHW", "OIHW", "NCHW"),
-            ("NHWC", "HWIO", "NHWC"),
-            ("CWNH", "IWHO", "WHNC"),
-        ],
-        3: [("NCDHW", "OIDHW", "NCDHW"), ("NDHWC", "DHWIO", "NDHWC")],
-    }
+    layouts = _CONV_LAYOUTS
     checked = 0
     while checked < 12:
         nd = int(rng.integers(1, 4))
