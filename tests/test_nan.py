@@ -166,6 +166,23 @@ def test_double_where_is_finite(order):
     assert np.isfinite(gx.jacve(f, order=order)(x)).all()
 
 
+@pytest.mark.parametrize("order", _ORDERS + ["auto"])
+def test_paths_that_avoid_an_infinite_value_sum_to_a_number(order):
+    """An entry is the sum over the graph's paths: where every path to it avoids an
+    infinite value, it is that finite sum, even though both JAX modes add a zero
+    tangent times the infinite value and return NaN there (documented in
+    docs/getting_started.md). Elsewhere the usual criterion holds."""
+    f = lambda u: jnp.sin(u) * jnp.roll(u, -1)
+    u = jnp.array([1.0, jnp.inf, 2.0, 0.5])
+    with np.errstate(all="ignore"):
+        fwd, rev = jax.jacfwd(f)(u), jax.jacrev(f)(u)
+        assert np.isnan(fwd[0, 1]) and np.isnan(rev[0, 1])
+        sparse = gx.jacve(f, order=order, sparse_representation=True)
+        for result in (gx.jacve(f, order=order)(u), jax.jit(sparse)(u).dense()):
+            assert result[0, 1] == jnp.sin(u[0])
+            _check(result, fwd, rev, f"order={order}")
+
+
 @pytest.mark.parametrize("order", _ORDERS)
 def test_clip_discards_an_infinite_partial(order):
     def f(x):
