@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -230,12 +231,13 @@ def _conv_by_taps(lhs, rhs, params, out_shape):
 
 
 def _conv_value(lhs, rhs, params):
-    out = jax.eval_shape(
-        lambda a, b: lax.conv_general_dilated_p.bind(a, b, **params), lhs, rhs
-    )
-    if math.prod(out.shape) and _tap_sum_applies(lhs, rhs, params):
-        return _conv_by_taps(lhs, rhs, params, out.shape)
-    return lax.conv_general_dilated_p.bind(lhs, rhs, **params)
+    """The convolution's output: by taps where `_tap_sum_applies`, else XLA's."""
+    conv = functools.partial(lax.conv_general_dilated_p.bind, **params)
+    if _tap_sum_applies(lhs, rhs, params):
+        out = jax.eval_shape(conv, lhs, rhs)
+        if math.prod(out.shape):
+            return _conv_by_taps(lhs, rhs, params, out.shape)
+    return conv(lhs, rhs)
 
 
 @register(lax.conv_general_dilated_p)
