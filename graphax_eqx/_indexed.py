@@ -667,18 +667,25 @@ class CooProductPlan:
     densify: bool
 
 
-def _join(cols_a: np.ndarray, rows_b: np.ndarray):
-    """All pairs `(ia, ib)` with `cols_a[ia] == rows_b[ib]`."""
-    order_b = np.argsort(rows_b, kind="stable")
-    sorted_b = rows_b[order_b]
-    lo = np.searchsorted(sorted_b, cols_a, "left")
-    hi = np.searchsorted(sorted_b, cols_a, "right")
-    counts = hi - lo
+def _join(cols_a: np.ndarray, rows_b: np.ndarray, n_v: int):
+    """All pairs `(ia, ib)` with `cols_a[ia] == rows_b[ib]`, both in `0..n_v-1`: for
+    each entry of A in turn, the entries of B in the row it meets, in B's order.
+
+    Linear in the pairs: B's entries are bucketed by row by counting (B's rows are
+    usually sorted already), so each entry of A finds its run of B's entries by
+    direct lookup.
+    """
+    per_row = np.bincount(rows_b, minlength=n_v)
+    row_start = np.cumsum(per_row) - per_row
+    by_row = None
+    if len(rows_b) > 1 and not np.all(rows_b[1:] >= rows_b[:-1]):
+        by_row = np.argsort(rows_b, kind="stable")
+    counts = per_row[cols_a]
     total = int(counts.sum())
     ia = np.repeat(np.arange(len(cols_a), dtype=np.int64), counts)
-    starts = np.repeat(lo - (np.cumsum(counts) - counts), counts)
-    ib = order_b[starts + np.arange(total, dtype=np.int64)]
-    return ia, ib
+    offset = np.repeat(row_start[cols_a] - (np.cumsum(counts) - counts), counts)
+    ib = offset + np.arange(total, dtype=np.int64)
+    return ia, (ib if by_row is None else by_row[ib])
 
 
 def _untied_pair(pa: CooPattern, pb: CooPattern):
@@ -741,12 +748,13 @@ def coo_product_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
     """Plan `A · B` for `A: w ← v`, `B: v ← u` given as static sparse patterns."""
     assert pa.in_shape == pb.out_shape, (pa, pb)
     pa2, untie_a, pb2, untie_b = _untied_pair(pa, pb)
-    ia, ib = _join(pa2.cols, pb2.rows)
+    ia, ib = _join(pa2.cols, pb2.rows, pa2.n_in_free)
     n_u = pb2.n_in_free
     keys = pa2.rows[ia] * n_u + pb2.cols[ib]
-    uniq, seg = _unique(keys)
-    perm = np.argsort(seg, kind="stable")
-    ia, ib, seg = ia[perm], ib[perm], seg[perm]
+    # Pairs sorted by entry (stably: each entry's pairs keep their order).
+    uniq, order, seg = _sort_unique(keys)
+    if order is not None:
+        ia, ib = ia[order], ib[order]
     collide = len(uniq) != len(keys)
     # Result ties, ordered by output axis (A's order).
     b_by_v = {o: t for t, (o, _) in enumerate(pb2.ties)}
@@ -893,17 +901,20 @@ def _take_last(x: Array, idx: np.ndarray) -> Array:
     )
 
 
-def _unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted distinct `keys` and the index of each key among them."""
-    if len(keys) and np.all(keys[1:] > keys[:-1]):
-        return keys, np.arange(len(keys))
+def _sort_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Sorted distinct `keys`; the stable order that sorts `keys` (`None` where they
+    are sorted and distinct already); and for each key in that order, the index of
+    its value among the distinct ones (ascending)."""
+    if len(keys) < 2 or np.all(keys[1:] > keys[:-1]):
+        return keys, None, np.arange(len(keys))
     order = np.argsort(keys, kind="stable")
     ordered = keys[order]
-    first = np.ones(len(keys), bool)
-    first[1:] = ordered[1:] != ordered[:-1]
-    inverse = np.empty(len(keys), np.int64)
-    inverse[order] = np.cumsum(first) - 1
-    return ordered[first], inverse
+    first = np.empty(len(keys), bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    group = np.cumsum(first, dtype=np.int64)
+    group -= 1
+    return ordered[first], order, group
 
 
 #
@@ -1080,11 +1091,14 @@ def coo_sum_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
     n_u = pa2.n_in_free
     ka = pa2.rows * n_u + pa2.cols
     kb = pb2.rows * n_u + pb2.cols
-    uniq, inverse = _unique(np.concatenate([ka, kb]))
+    uniq, order, group = _sort_unique(np.concatenate([ka, kb]))
+    source = np.arange(len(group)) if order is None else order
+    # Where each distinct entry comes from, read in sorted order (sequential writes).
+    from_a = source < pa2.nnz
     pos_a = np.full(len(uniq), pa2.nnz, np.int64)
-    pos_a[inverse[: len(ka)]] = np.arange(pa2.nnz)
+    pos_a[group[from_a]] = source[from_a]
     pos_b = np.full(len(uniq), pb2.nnz, np.int64)
-    pos_b[inverse[len(ka) :]] = np.arange(pb2.nnz)
+    pos_b[group[~from_a]] = source[~from_a] - pa2.nnz
     overlap = pa2.nnz + pb2.nnz - len(uniq)
     counts = None
     if not a_val and not b_val and overlap:
@@ -1270,7 +1284,7 @@ def _structural_result(
     pairs, pa2, pb2 = _pair_count(pa, pb)
     if pairs > MAX_PICK_PAIRS:
         return None
-    ia, ib = _join(pa2.cols, pb2.rows)
+    ia, ib = _join(pa2.cols, pb2.rows, pa2.n_in_free)
     n_u = pb2.n_in_free
     keys = np.unique(pa2.rows[ia] * n_u + pb2.cols[ib])
     b_in_of = dict(pb2.ties)  # B's output axis → its tied input axis

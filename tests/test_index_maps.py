@@ -1598,3 +1598,34 @@ def test_window_max_past_the_pattern_size(order, monkeypatch):
 
     x = _uniform((4, 6))
     _assert_close(graphax_eqx.jacve(f, order=order)(x), jax.jacfwd(f)(on_host(x)))
+
+
+# --------------------------------------------------------------------------------------
+# Trace-time joins and sorts of coordinate lists
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_coordinate_join_and_sort_match_brute_force(seed):
+    from graphax_eqx import _indexed
+
+    rng = np.random.default_rng(seed)
+    n_v = int(rng.integers(1, 12))
+    cols_a = rng.integers(0, n_v, size=int(rng.integers(0, 30)))
+    rows_b = rng.integers(0, n_v, size=int(rng.integers(0, 30)))
+    if seed % 2:
+        rows_b = np.sort(rows_b)  # the usual row-major order
+    ia, ib = _indexed._join(cols_a, rows_b, n_v)
+    # Every pair, listed entry by entry of A, B's entries in their order.
+    expected = [(i, j) for i in range(len(cols_a)) for j in range(len(rows_b))]
+    expected = [(i, j) for i, j in expected if cols_a[i] == rows_b[j]]
+    assert list(zip(ia.tolist(), ib.tolist(), strict=True)) == expected
+
+    keys = rng.integers(0, 9, size=int(rng.integers(0, 25)))
+    if seed % 3 == 0:
+        keys = np.unique(keys)  # sorted and distinct: no sorting needed
+    uniq, order, group = _indexed._sort_unique(keys)
+    stable = np.argsort(keys, kind="stable")
+    np.testing.assert_array_equal(uniq, np.unique(keys))
+    np.testing.assert_array_equal(stable if order is None else order, stable)
+    np.testing.assert_array_equal(uniq[group], keys[stable])
