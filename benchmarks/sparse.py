@@ -25,7 +25,9 @@ Every result is checked against `jax.jacfwd` (against asdex, then `jax.jacrev`, 
 `jax.jacfwd` was skipped). Up to `DENSE_CHECK_ENTRIES` Jacobian entries the dense
 matrices are compared; larger Jacobians are compared through their products with a
 fixed random probe matrix of `PROBE_COLUMNS` columns, so no dense copy is made of a
-sparse result. A result whose relative error exceeds the tolerance is flagged as
+sparse result. Where none of those three ran (sizes whose dense Jacobian does not fit
+in memory), the reference products come from one `jax.jvp` per probe column.
+`--size TASK:NAME=VALUE` runs a task at another size. A result whose relative error exceeds the tolerance is flagged as
 WRONG in the tables and on stderr, and the run exits with status 1. A method that
 raises (the elimination engine included) is reported with its short error and the
 run continues.
@@ -84,6 +86,9 @@ JACVE_DENSE = "jacve dense"
 ASDEX = "asdex"
 JACFWD = "jax.jacfwd"
 JACREV = "jax.jacrev"
+# The probe products J · V computed directly, one `jax.jvp` per column of V: the
+# reference where none of the methods above gave a result (large sizes).
+JVP_PROBE = "jax.jvp"
 METHODS = (JACVE_SPARSE, JACVE_DENSE, ASDEX, JACFWD, JACREV)
 # Sparse jacve in named orders, timed against each other (`auto` reuses the
 # `jacve sparse` program): the check that `auto` picks a fast order.
@@ -93,7 +98,7 @@ ORDER_METHODS = (JACVE_AUTO, *(f"jacve {name}" for name in NAMED_ORDERS))
 # The orders `auto` may pick, to name its pick.
 AUTO_CANDIDATES = ("fwd", "rev", "markowitz", "relative_markowitz", "min_fill")
 # The reference of the correctness check, in order of preference.
-REFERENCES = (JACFWD, ASDEX, JACREV)
+REFERENCES = (JACFWD, ASDEX, JACREV, JVP_PROBE)
 DTYPE = jnp.float32
 # Jacobians with at most this many entries are compared densely, larger ones
 # through products with a probe matrix.
@@ -269,6 +274,19 @@ def _signature(out: Any, result: SparseResult, probe: np.ndarray | None) -> np.n
     return (array @ probe.astype(array.dtype)).astype(np.float64)
 
 
+def _probe_products(
+    fn: Callable[[jax.Array], jax.Array], x: jax.Array, probe: np.ndarray
+) -> np.ndarray:
+    """`J · probe` (m × k, float64) from one forward-mode product per column."""
+
+    def column(v):
+        _, tangent = jax.jvp(fn, (x,), (v.reshape(x.shape),))
+        return tangent.reshape(-1)
+
+    columns = jax.jit(jax.vmap(column, in_axes=1, out_axes=1))
+    return np.asarray(columns(jnp.asarray(probe, x.dtype)), np.float64)
+
+
 def _structural_nnz(out: Any) -> int:
     bcoo = _as_bcoo(out)
     return int(bcoo.nse) if bcoo is not None else int(np.size(out))
@@ -370,6 +388,13 @@ def benchmark_task(
                 result.auto_pick = _auto_pick(fn, x)
         except Exception as error:
             _log(f"  auto's pick unknown: {_short_error(error)}")
+    if probe is not None and not any(m in signatures for m in REFERENCES):
+        try:
+            signatures[JVP_PROBE] = [_probe_products(fn, x, probe)]
+        except Exception as error:
+            failures.append(
+                Failure(task.name, JVP_PROBE, _short_error(error), _traceback_tail())
+            )
     _check(result, signatures, failures)
     _time_methods(result, compiled_programs, x, settings)
     return result
@@ -808,6 +833,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--small", action="store_true", help="tiny problem sizes, for a smoke run"
     )
     parser.add_argument(
+        "--size",
+        action="append",
+        default=[],
+        metavar="TASK:NAME=VALUE",
+        help="run TASK with one size parameter changed, e.g. Bratu2D:grid=512 "
+        "(repeatable; the parameters are those of the task's `full` sizes)",
+    )
+    parser.add_argument(
         "--no-orders",
         action="store_true",
         help="do not time sparse jacve in forward, reverse and Markowitz order",
@@ -816,6 +849,25 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--out", type=Path, default=None, help="also write the Markdown report here"
     )
     return parser.parse_args(argv)
+
+
+def _resized(
+    available: dict[str, sparse_tasks.SparseTask], sizes: Sequence[str]
+) -> dict[str, sparse_tasks.SparseTask]:
+    """`available` with the `--size TASK:NAME=VALUE` changes applied."""
+    tasks = dict(available)
+    for spec in sizes:
+        name, _, assignment = spec.partition(":")
+        key, _, value = assignment.partition("=")
+        task = tasks.get(name)
+        if task is None or key not in task.full or not value.isdigit():
+            known = "; ".join(f"{t.name}: {', '.join(t.full)}" for t in tasks.values())
+            raise SystemExit(
+                f"--size {spec!r}: use TASK:NAME=VALUE with a task and one of its "
+                f"size parameters ({known})."
+            )
+        tasks[name] = dataclasses.replace(task, full={**task.full, key: int(value)})
+    return tasks
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -831,6 +883,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     else:
         names = list(available)
+    available = _resized(available, options.size)
     memory_limit = (
         _default_memory_limit()
         if options.memory_limit is None

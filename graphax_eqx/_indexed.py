@@ -439,6 +439,11 @@ def labeled_pattern(p: CooPattern) -> tuple[Pattern, tuple[int, ...]]:
     return make_pattern(p.out_shape, p.in_shape, tuple(labels), tuple(val_labels))
 
 
+# Scatters into a dense block with at least this many entries index its rows and
+# columns separately (a flat position would overflow int32 indices).
+FLAT_INDEX_LIMIT = 2**31
+
+
 def _scatter_free(val: Array, p: CooPattern, fill) -> Array:
     """`(vary..., nnz)` values scattered to `(vary..., *out_free, *in_free)`."""
     lead = tuple(val.shape[:-1])
@@ -447,12 +452,25 @@ def _scatter_free(val: Array, p: CooPattern, fill) -> Array:
     if p.nnz == size and np.array_equal(flat, np.arange(size)):
         out = val
     else:
-        out = jnp.full(lead + (size,), fill, val.dtype)
-        idx = flat.astype(_index_dtype(size))
         # Banded results list their entries by diagonal, not in flat order: the
         # hint is given only where it holds (a false one may mislead XLA).
         ordered = bool(np.all(flat[1:] > flat[:-1]))
-        out = out.at[..., idx].set(val, unique_indices=True, indices_are_sorted=ordered)
+        if size < FLAT_INDEX_LIMIT:
+            out = jnp.full(lead + (size,), fill, val.dtype)
+            idx = flat.astype(np.int32)
+            out = out.at[..., idx].set(
+                val, unique_indices=True, indices_are_sorted=ordered
+            )
+        else:
+            # Flat positions past int32 (indices are int32 without x64): rows and
+            # columns are indexed separately.
+            n_out, n_in = p.n_out_free, p.n_in_free
+            out = jnp.full(lead + (n_out, n_in), fill, val.dtype)
+            rows = p.rows.astype(_index_dtype(n_out))
+            cols = p.cols.astype(_index_dtype(n_in))
+            out = out.at[..., rows, cols].set(
+                val, unique_indices=True, indices_are_sorted=ordered
+            )
     return lax.reshape(out, lead + p.out_free_shape + p.in_free_shape)
 
 

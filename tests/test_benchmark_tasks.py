@@ -178,3 +178,23 @@ def test_original_tasks_script_needs_the_examples_folder(tmp_path):
     )
     assert result.returncode != 0
     assert "original graphax repository" in result.stderr
+
+
+def test_sparse_suite_sizes_and_probe_reference():
+    from benchmarks import sparse
+
+    tasks = sparse._resized(SPARSE_TASKS, ["Bratu2D:grid=7", "Stencil1D:n=30"])
+    assert tasks["Bratu2D"].full == {"grid": 7}
+    assert tasks["Stencil1D"].full == {"n": 30}
+    assert tasks["GrayScott2D"] is SPARSE_TASKS["GrayScott2D"]
+    for bad in ("Nope:n=3", "Bratu2D:n=3", "Bratu2D:grid=x", "Bratu2D"):
+        with pytest.raises(SystemExit, match="TASK:NAME=VALUE"):
+            sparse._resized(SPARSE_TASKS, [bad])
+    # The reference used where no Jacobian method ran: J · V from forward products.
+    task = tasks["Bratu2D"]
+    fn, x = task.function(), task.make_input(jnp.float32)
+    probe = np.random.default_rng(0).standard_normal((x.size, 3))
+    jac = np.asarray(jax.jacfwd(fn)(x), np.float64).reshape(-1, x.size)
+    np.testing.assert_allclose(
+        sparse._probe_products(fn, x, probe), jac @ probe, rtol=1e-5, atol=1e-4
+    )

@@ -1629,3 +1629,22 @@ def test_coordinate_join_and_sort_match_brute_force(seed):
     np.testing.assert_array_equal(uniq, np.unique(keys))
     np.testing.assert_array_equal(stable if order is None else order, stable)
     np.testing.assert_array_equal(uniq[group], keys[stable])
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_dense_blocks_past_int32_positions_index_rows_and_columns(sparse, monkeypatch):
+    """A dense result of 2**31 entries or more (a 47,000-point stencil's 2.2e9) is
+    scattered by row and column indices: flat positions would overflow int32. The
+    limit is lowered here so that the path runs at a small size."""
+    from graphax_eqx import _indexed
+
+    def f(u):
+        return jnp.concatenate([u[2:] - 2 * u[1:-1] + u[:-2], u[:1] * u[-1:]])
+
+    x = jnp.linspace(0.1, 1.0, 40)
+    expected = jax.jacfwd(f)(x)
+    monkeypatch.setattr(_indexed, "FLAT_INDEX_LIMIT", 16)
+    jac = graphax_eqx.jacve(f, sparse_representation=sparse)
+    for result in (jac(x), jax.jit(jac)(x)):
+        result = result.dense() if sparse else result
+        np.testing.assert_array_equal(result, expected)
