@@ -27,10 +27,10 @@ matrices are compared; larger Jacobians are compared through their products with
 fixed random probe matrix of `PROBE_COLUMNS` columns, so no dense copy is made of a
 sparse result. Where none of those three ran (sizes whose dense Jacobian does not fit
 in memory), the reference products come from one `jax.jvp` per probe column.
-`--size TASK:NAME=VALUE` runs a task at another size. A result whose relative error exceeds the tolerance is flagged as
-WRONG in the tables and on stderr, and the run exits with status 1. A method that
-raises (the elimination engine included) is reported with its short error and the
-run continues.
+`--size TASK:NAME=VALUE` runs a task at another size. A result whose relative error
+exceeds the tolerance is flagged as WRONG in the tables and on stderr, and the run
+exits with status 1. A method that raises (the elimination engine included) is
+reported with its short error and the run continues.
 """
 
 from __future__ import annotations

@@ -13,14 +13,15 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._band import BandPattern, BandTensor
+from ._band import BandTensor
 from ._graph import EdgeGraph
-from ._indexed import CooPattern, CooTensor, mixed_sum_plan
+from ._indexed import CooPattern, CooTensor, mixed_product_summary, mixed_sum_summary
 from ._sparse import (
     AnyPattern,
     LinearMap,
     LinearPattern,
     SparseTensor,
+    _coordinates,
     add,
     plan_has_val,
     product,
@@ -48,6 +49,12 @@ def sim_edge(partial) -> SimEdge:
 
 
 def sim_product(a: SimEdge, b: SimEdge, final: bool = False) -> tuple[SimEdge, int]:
+    if _coordinates(a.pattern) or _coordinates(b.pattern):
+        # What the plan gives, without planning every entry pair.
+        pattern, has_val, muls = mixed_product_summary(
+            a.pattern, b.pattern, a.has_val, b.has_val
+        )
+        return SimEdge(pattern, has_val), muls
     plan = product_plan(a.pattern, b.pattern, a.has_val, b.has_val)
     return SimEdge(plan.pattern, plan_has_val(plan, a.has_val, b.has_val)), plan.muls
 
@@ -58,11 +65,11 @@ def sim_product_muls(a: SimEdge, b: SimEdge) -> int:
 
 
 def sim_add(a: SimEdge, b: SimEdge) -> tuple[SimEdge, int]:
-    if isinstance(a.pattern, (CooPattern, BandPattern)) or isinstance(
-        b.pattern, (CooPattern, BandPattern)
-    ):
-        plan = mixed_sum_plan(a.pattern, b.pattern, a.has_val, b.has_val)
-        return SimEdge(plan.pattern, plan.has_val), plan.adds
+    if _coordinates(a.pattern) or _coordinates(b.pattern):
+        pattern, has_val, adds = mixed_sum_summary(
+            a.pattern, b.pattern, a.has_val, b.has_val
+        )
+        return SimEdge(pattern, has_val), adds
     pattern, adds = sum_plan(a.pattern, b.pattern, a.has_val, b.has_val)
     return SimEdge(pattern, True), adds
 

@@ -761,19 +761,29 @@ def dense_is_better(pa: CooPattern, pb: CooPattern) -> bool:
     return dense_muls >= DENSE_MIN_SIZE and pairs * DENSE_PRODUCT_RATIO > dense_muls
 
 
-@functools.lru_cache(maxsize=65536)
-def coo_product_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
-    """Plan `A · B` for `A: w ← v`, `B: v ← u` given as static sparse patterns."""
+def _product_keys(pa: CooPattern, pb: CooPattern):
+    """The untied operands of `A · B`, its entry pairs `(ia, ib)` and the flat
+    result entry of each pair."""
     assert pa.in_shape == pb.out_shape, (pa, pb)
     pa2, untie_a, pb2, untie_b = _untied_pair(pa, pb)
     ia, ib = _join(pa2.cols, pb2.rows, pa2.n_in_free)
+    keys = pa2.rows[ia] * pb2.n_in_free + pb2.cols[ib]
+    return pa2, untie_a, pb2, untie_b, ia, ib, keys
+
+
+def _product_pattern(
+    pa: CooPattern,
+    pb: CooPattern,
+    pa2: CooPattern,
+    pb2: CooPattern,
+    uniq: np.ndarray,
+    has_val: bool,
+    a_val: bool,
+    b_val: bool,
+):
+    """The coordinates of `A · B` (entries `uniq`, flat) and, for each of its ties,
+    the tie of the untied B it comes from."""
     n_u = pb2.n_in_free
-    keys = pa2.rows[ia] * n_u + pb2.cols[ib]
-    # Pairs sorted by entry (stably: each entry's pairs keep their order).
-    uniq, order, seg = _sort_unique(keys)
-    if order is not None:
-        ia, ib = ia[order], ib[order]
-    collide = len(uniq) != len(keys)
     # Result ties, ordered by output axis (A's order).
     b_by_v = {o: t for t, (o, _) in enumerate(pb2.ties)}
     ties, varying, b_of = [], [], []
@@ -782,10 +792,6 @@ def coo_product_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
         ties.append((o, pb2.ties[tb][1]))
         varying.append((a_val and pa2.varying[ta]) or (b_val and pb2.varying[tb]))
         b_of.append(tb)
-    counts = None
-    if not a_val and not b_val and collide:
-        counts = np.bincount(seg, minlength=len(uniq))
-    has_val = a_val or b_val or counts is not None
     coo = CooPattern(
         pa.out_shape,
         pb.in_shape,
@@ -794,22 +800,57 @@ def coo_product_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
         uniq // n_u if n_u else uniq,
         uniq % n_u if n_u else uniq,
     )
+    return coo, b_of
+
+
+def _product_muls(coo: CooPattern, pairs: int, a_val: bool, b_val: bool) -> int:
+    if not (a_val and b_val):
+        return 0
+    return pairs * math.prod(coo.tie_sizes[t] for t, v in enumerate(coo.varying) if v)
+
+
+@functools.lru_cache(maxsize=4096)
+def coo_product_summary(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
+    """`(pattern, has_val, muls)` of `coo_product_plan(pa, pb, a_val, b_val)`,
+    without keeping its entry pairs: what simulating an elimination needs, at a
+    fraction of the memory of a plan of millions of pairs."""
+    pa2, _, pb2, _, _, _, keys = _product_keys(pa, pb)
+    uniq = _distinct(keys)
+    has_val = a_val or b_val or len(uniq) != len(keys)
+    coo, _ = _product_pattern(pa, pb, pa2, pb2, uniq, has_val, a_val, b_val)
+    densify = _store_dense(coo)
+    pattern = labeled_pattern(coo)[0] if densify else coo
+    muls = _product_muls(coo, len(keys), a_val, b_val)
+    return pattern, True if densify else has_val, muls
+
+
+@functools.lru_cache(maxsize=65536)
+def coo_product_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
+    """Plan `A · B` for `A: w ← v`, `B: v ← u` given as static sparse patterns."""
+    pa2, untie_a, pb2, untie_b, ia, ib, keys = _product_keys(pa, pb)
+    # Pairs sorted by entry (stably: each entry's pairs keep their order).
+    uniq, order, seg = _sort_unique(keys)
+    if order is not None:
+        ia, ib = ia[order], ib[order]
+    collide = len(uniq) != len(keys)
+    counts = None
+    if not a_val and not b_val and collide:
+        counts = np.bincount(seg, minlength=len(uniq))
+    has_val = a_val or b_val or counts is not None
+    coo, b_of = _product_pattern(pa, pb, pa2, pb2, uniq, has_val, a_val, b_val)
     res_vary = [t for t, v in enumerate(coo.varying) if v]
     a_dims = tuple(res_vary.index(t) for t, v in enumerate(pa2.varying) if v and a_val)
     b_vary = [t for t in range(len(pb2.ties)) if pb2.varying[t]] if b_val else []
     res_of_b = {tb: t for t, tb in enumerate(b_of)}
     b_perm = tuple(sorted(range(len(b_vary)), key=lambda k: res_of_b[b_vary[k]]))
     b_dims = tuple(sorted(res_vary.index(res_of_b[tb]) for tb in b_vary))
-    muls = 0
-    if a_val and b_val:
-        muls = len(ia) * math.prod(coo.tie_sizes[t] for t in res_vary)
     densify = _store_dense(coo)
     pattern = labeled_pattern(coo)[0] if densify else coo
     return CooProductPlan(
         pattern,
         coo,
         "coo",
-        int(muls),
+        _product_muls(coo, len(ia), a_val, b_val),
         True if densify else has_val,
         untie_a,
         untie_b,
@@ -917,6 +958,17 @@ def _take_last(x: Array, idx: np.ndarray) -> Array:
         indices_are_sorted=bool(np.all(idx[1:] >= idx[:-1])),
         mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
     )
+
+
+def _distinct(keys: np.ndarray) -> np.ndarray:
+    """The sorted distinct `keys` (a stable sort: linear on sorted runs)."""
+    if len(keys) < 2 or np.all(keys[1:] > keys[:-1]):
+        return keys
+    ordered = np.sort(keys, kind="stable")
+    first = np.empty(len(keys), bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return ordered[first]
 
 
 def _sort_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
@@ -1096,7 +1148,9 @@ class CooSumPlan:
 
 
 @functools.lru_cache(maxsize=65536)
-def coo_sum_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
+def _sum_keys(pa: CooPattern, pb: CooPattern):
+    """Both operands of `A + B` with the ties they do not share made free, and their
+    flat entries."""
     assert pa.shape == pb.shape, (pa, pb)
     common = set(pa.ties) & set(pb.ties)
     pa2, untie_a = _untie(
@@ -1107,8 +1161,54 @@ def coo_sum_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
     )
     assert pa2.ties == pb2.ties
     n_u = pa2.n_in_free
-    ka = pa2.rows * n_u + pa2.cols
-    kb = pb2.rows * n_u + pb2.cols
+    return (
+        pa2,
+        untie_a,
+        pb2,
+        untie_b,
+        pa2.rows * n_u + pa2.cols,
+        pb2.rows * n_u + pb2.cols,
+    )
+
+
+def _sum_pattern(pa, pa2, pb2, uniq, has_val: bool, a_val: bool, b_val: bool):
+    """The coordinates of `A + B` (entries `uniq`, flat)."""
+    n_u = pa2.n_in_free
+    varying = tuple(
+        (a_val and va) or (b_val and vb)
+        for va, vb in zip(pa2.varying, pb2.varying, strict=True)
+    )
+    return CooPattern(
+        pa.out_shape,
+        pa.in_shape,
+        pa2.ties,
+        varying if has_val else (False,) * len(varying),
+        uniq // n_u if n_u else uniq,
+        uniq % n_u if n_u else uniq,
+    )
+
+
+def _sum_adds(coo: CooPattern, overlap: int) -> int:
+    return overlap * math.prod(coo.tie_sizes[t] for t, v in enumerate(coo.varying) if v)
+
+
+@functools.lru_cache(maxsize=4096)
+def coo_sum_summary(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
+    """`(pattern, has_val, adds)` of `coo_sum_plan(pa, pb, a_val, b_val)`, without
+    its gathers (for simulating an elimination)."""
+    pa2, _, pb2, _, ka, kb = _sum_keys(pa, pb)
+    uniq = _distinct(np.concatenate([ka, kb]))
+    overlap = pa2.nnz + pb2.nnz - len(uniq)
+    has_val = a_val or b_val or overlap > 0
+    coo = _sum_pattern(pa, pa2, pb2, uniq, has_val, a_val, b_val)
+    densify = _store_dense(coo)
+    pattern = labeled_pattern(coo)[0] if densify else coo
+    return pattern, True if densify else has_val, _sum_adds(coo, overlap)
+
+
+@functools.lru_cache(maxsize=65536)
+def coo_sum_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
+    pa2, untie_a, pb2, untie_b, ka, kb = _sum_keys(pa, pb)
     uniq, order, group = _sort_unique(np.concatenate([ka, kb]))
     source = np.arange(len(group)) if order is None else order
     # Where each distinct entry comes from, read in sorted order (sequential writes).
@@ -1122,28 +1222,16 @@ def coo_sum_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
     if not a_val and not b_val and overlap:
         counts = (pos_a < pa2.nnz).astype(np.int64) + (pos_b < pb2.nnz)
     has_val = a_val or b_val or counts is not None
-    varying = tuple(
-        (a_val and va) or (b_val and vb)
-        for va, vb in zip(pa2.varying, pb2.varying, strict=True)
-    )
-    coo = CooPattern(
-        pa.out_shape,
-        pa.in_shape,
-        pa2.ties,
-        varying if has_val else (False,) * len(varying),
-        uniq // n_u if n_u else uniq,
-        uniq % n_u if n_u else uniq,
-    )
+    coo = _sum_pattern(pa, pa2, pb2, uniq, has_val, a_val, b_val)
     res_vary = [t for t, v in enumerate(coo.varying) if v]
     a_dims = tuple(res_vary.index(t) for t, v in enumerate(pa2.varying) if v and a_val)
     b_dims = tuple(res_vary.index(t) for t, v in enumerate(pb2.varying) if v and b_val)
-    adds = overlap * math.prod(coo.tie_sizes[t] for t in res_vary)
     densify = _store_dense(coo)
     pattern = labeled_pattern(coo)[0] if densify else coo
     return CooSumPlan(
         pattern,
         coo,
-        int(adds),
+        _sum_adds(coo, overlap),
         True if densify else has_val,
         untie_a,
         untie_b,
@@ -1378,6 +1466,20 @@ def mixed_product_muls(pa, pb, a_val: bool, b_val: bool) -> int:
     return product_plan(pa, pb, a_val, b_val).muls
 
 
+def mixed_product_summary(pa, pb, a_val: bool, b_val: bool):
+    """`(pattern, has_val, muls)` of `mixed_product_plan(pa, pb, a_val, b_val)`; a
+    product of coordinates entry by entry is summarised without its entry pairs."""
+    from ._band import band_product_plan
+
+    band = band_product_plan(pa, pb)
+    if band is None:
+        entrywise, _, _, pa2, pb2, a2, b2, _ = _routed(pa, pb, a_val, b_val)
+        if entrywise:
+            return coo_product_summary(pa2, pb2, a2, b2)
+    plan = mixed_product_plan(pa, pb, a_val, b_val)
+    return plan.pattern, plan.has_val, plan.muls
+
+
 def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
     """Plan `A · B` where at least one side is a static sparse pattern (coordinates
     or a band)."""
@@ -1410,6 +1512,21 @@ def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
         inner,
         picked,
     )
+
+
+def mixed_sum_summary(pa, pb, a_val: bool, b_val: bool):
+    """`(pattern, has_val, adds)` of `mixed_sum_plan(pa, pb, a_val, b_val)`; a sum
+    of coordinates is summarised without its gathers."""
+    from ._band import band_sum_plan, unbanded
+
+    if band_sum_plan(pa, pb) is None:
+        pa2, a2, pb2, b2 = unbanded(pa, a_val, pb, b_val)
+        if not (isinstance(pa2, CooPattern) and isinstance(pb2, CooPattern)):
+            _, _, pa2, pb2, a2, b2 = _converted(pa2, pb2, a2, b2)
+        if isinstance(pa2, CooPattern) and isinstance(pb2, CooPattern):
+            return coo_sum_summary(pa2, pb2, a2, b2)
+    plan = mixed_sum_plan(pa, pb, a_val, b_val)
+    return plan.pattern, plan.has_val, plan.adds
 
 
 def mixed_sum_plan(pa, pb, a_val: bool, b_val: bool):

@@ -1648,3 +1648,45 @@ def test_dense_blocks_past_int32_positions_index_rows_and_columns(sparse, monkey
     for result in (jac(x), jax.jit(jac)(x)):
         result = result.dense() if sparse else result
         np.testing.assert_array_equal(result, expected)
+
+
+def _random_coo(rng, out_shape, in_shape, tied: bool):
+    from graphax_eqx import _indexed
+
+    ties = ((0, 0),) if tied else ()
+    varying = (bool(rng.integers(2)),) if tied else ()
+    start = 1 if tied else 0
+    n_out, n_in = math.prod(out_shape[start:]), math.prod(in_shape[start:])
+    size = int(rng.integers(0, min(12, n_out * n_in) + 1))
+    keys = np.sort(rng.choice(n_out * n_in, size=size, replace=False))
+    return _indexed.CooPattern(
+        out_shape, in_shape, ties, varying, keys // n_in, keys % n_in
+    )
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_plan_summaries_match_the_plans(seed):
+    """Simulating an elimination summarises coordinate products and sums (pattern,
+    whether values are stored, count) without their entry lists: the same as the
+    plans the elimination runs."""
+    from graphax_eqx import _indexed
+
+    rng = np.random.default_rng(seed)
+    tie_a, tie_b = bool(rng.integers(2)), bool(rng.integers(2))
+    pa = _random_coo(rng, (3, 4), (3, 5), tie_a)
+    pb = _random_coo(rng, (3, 5), (3, 2), tie_b)
+    pc = _random_coo(rng, (3, 4), (3, 5), tie_b)
+    for a_val in (False, True):
+        for b_val in (False, True):
+            plan = _indexed.coo_product_plan(pa, pb, a_val, b_val)
+            summary = _indexed.coo_product_summary(pa, pb, a_val, b_val)
+            assert summary == (plan.pattern, plan.has_val, plan.muls)
+            plan = _indexed.coo_sum_plan(pa, pc, a_val, b_val)
+            summary = _indexed.coo_sum_summary(pa, pc, a_val, b_val)
+            assert summary == (plan.pattern, plan.has_val, plan.adds)
+            plan = _indexed.mixed_product_plan(pa, pb, a_val, b_val)
+            summary = _indexed.mixed_product_summary(pa, pb, a_val, b_val)
+            assert summary == (plan.pattern, plan.has_val, plan.muls)
+            plan = _indexed.mixed_sum_plan(pa, pc, a_val, b_val)
+            summary = _indexed.mixed_sum_summary(pa, pc, a_val, b_val)
+            assert summary == (plan.pattern, plan.has_val, plan.adds)
