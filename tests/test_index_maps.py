@@ -1676,17 +1676,15 @@ def test_plan_summaries_match_the_plans(seed):
     pa = _random_coo(rng, (3, 4), (3, 5), tie_a)
     pb = _random_coo(rng, (3, 5), (3, 2), tie_b)
     pc = _random_coo(rng, (3, 4), (3, 5), tie_b)
+    checks = [
+        (_indexed.coo_product_plan, _indexed.coo_product_summary, pb, "muls"),
+        (_indexed.coo_sum_plan, _indexed.coo_sum_summary, pc, "adds"),
+        (_indexed.mixed_product_plan, _indexed.mixed_product_summary, pb, "muls"),
+        (_indexed.mixed_sum_plan, _indexed.mixed_sum_summary, pc, "adds"),
+    ]
     for a_val in (False, True):
         for b_val in (False, True):
-            plan = _indexed.coo_product_plan(pa, pb, a_val, b_val)
-            summary = _indexed.coo_product_summary(pa, pb, a_val, b_val)
-            assert summary == (plan.pattern, plan.has_val, plan.muls)
-            plan = _indexed.coo_sum_plan(pa, pc, a_val, b_val)
-            summary = _indexed.coo_sum_summary(pa, pc, a_val, b_val)
-            assert summary == (plan.pattern, plan.has_val, plan.adds)
-            plan = _indexed.mixed_product_plan(pa, pb, a_val, b_val)
-            summary = _indexed.mixed_product_summary(pa, pb, a_val, b_val)
-            assert summary == (plan.pattern, plan.has_val, plan.muls)
-            plan = _indexed.mixed_sum_plan(pa, pc, a_val, b_val)
-            summary = _indexed.mixed_sum_summary(pa, pc, a_val, b_val)
-            assert summary == (plan.pattern, plan.has_val, plan.adds)
+            for make_plan, summarise, other, count in checks:
+                plan = make_plan(pa, other, a_val, b_val)
+                expected = (plan.pattern, plan.has_val, getattr(plan, count))
+                assert summarise(pa, other, a_val, b_val) == expected
