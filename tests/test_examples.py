@@ -1,5 +1,6 @@
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -64,3 +65,11 @@ def test_per_layer_jacobians(tmp_path):
     )
     assert "SparseTensor" in out
     assert figure.is_file() and figure.stat().st_size > 0
+
+
+def test_newton_bratu(tmp_path):
+    out = _run("newton_bratu.py", "--grid", "10", "--check", cwd=tmp_path)
+    assert "structural nonzeros: 460 (5·n - 4·grid = 460)" in out
+    (difference,) = re.findall(r"largest difference from jax.jacfwd: (\S+)", out)
+    assert float(difference) < 1e-9
+    assert "converged: True" in out
