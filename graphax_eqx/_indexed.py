@@ -439,6 +439,10 @@ def labeled_pattern(p: CooPattern) -> tuple[Pattern, tuple[int, ...]]:
     return make_pattern(p.out_shape, p.in_shape, tuple(labels), tuple(val_labels))
 
 
+# Dense blocks of pure index maps (every entry one) with more entries than this are
+# scattered at run time rather than embedded as constants.
+CONSTANT_BLOCK_MAX = 2**20
+
 # Scatters into a dense block with at least this many entries index its rows and
 # columns separately (a flat position would overflow int32 indices).
 FLAT_INDEX_LIMIT = 2**31
@@ -479,6 +483,13 @@ def to_labeled(ct: CooTensor) -> SparseTensor:
     p = ct.pattern
     pattern, perm = labeled_pattern(p)
     if ct.val is None:
+        if p.n_out_free * p.n_in_free > CONSTANT_BLOCK_MAX:
+            # Scattered when it runs: as a constant, the block would be embedded in
+            # the program (a 20,000-entry permutation: 1.6 GB, 35 s to compile).
+            ones = jnp.ones((p.nnz,), ct.dtype)
+            return SparseTensor(
+                _transpose(_scatter_free(ones, p, 0), perm), pattern, ct.dtype
+            )
         flat = np.zeros(p.n_out_free * p.n_in_free, np.dtype(ct.dtype))
         flat[p.rows * p.n_in_free + p.cols] = 1
         val = jnp.asarray(flat.reshape(p.out_free_shape + p.in_free_shape))

@@ -1688,3 +1688,29 @@ def test_plan_summaries_match_the_plans(seed):
                 plan = make_plan(pa, other, a_val, b_val)
                 expected = (plan.pattern, plan.has_val, getattr(plan, count))
                 assert summarise(pa, other, a_val, b_val) == expected
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda x: x[::-1],
+        lambda x: x[np.array([3, 0, 0, 7, 5, 11, 2])],
+        lambda x: jnp.concatenate([x[4:], x[:4], x[2:5]]),
+    ],
+    ids=["flip", "take", "concatenate"],
+)
+def test_large_dense_index_maps_are_scattered_when_they_run(f, monkeypatch):
+    """The dense Jacobian of a pure index map (every entry one) is a constant for
+    small blocks; past `CONSTANT_BLOCK_MAX` entries (a 20,000-entry flip would embed
+    1.6 GB in the program) it is scattered at run time. The limit is lowered here."""
+    from graphax_eqx import _indexed
+
+    x = jnp.linspace(0.1, 1.2, 12)
+    expected = jax.jacfwd(f)(x)
+    monkeypatch.setattr(_indexed, "CONSTANT_BLOCK_MAX", 8)
+    for order in ("fwd", "rev"):
+        jac = graphax_eqx.jacve(f, order=order)
+        for result in (jac(x), jax.jit(jac)(x)):
+            np.testing.assert_array_equal(result, expected)
+        text = jax.jit(jac).lower(x).as_text()
+        assert "scatter" in text
