@@ -1158,7 +1158,6 @@ class CooSumPlan:
     nnz_b: int
 
 
-@functools.lru_cache(maxsize=65536)
 def _sum_keys(pa: CooPattern, pb: CooPattern):
     """Both operands of `A + B` with the ties they do not share made free, and their
     flat entries."""
