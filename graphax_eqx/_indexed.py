@@ -359,8 +359,9 @@ def entry_pattern(
             if len(key) % n:
                 continue
             if widx is not None:
-                key = np.stack([key, widx], axis=1)
-            _, counts = np.unique(key, return_counts=True, axis=0)
+                key = _pair_key(key, widx)
+            axis = 0 if key.ndim == 2 else None
+            _, counts = np.unique(key, return_counts=True, axis=axis)
             if not np.all(counts == n):
                 continue
             keep = out_c[ko] == 0
@@ -388,6 +389,16 @@ def entry_pattern(
         c[order],
     )
     return p, None if widx is None else widx[order]
+
+
+def _pair_key(key: np.ndarray, widx: np.ndarray) -> np.ndarray:
+    """One integer per `(key, widx)` pair where the pairs fit in int64 (a sort of
+    integers, where rows of a 2-column array sort about 20 times slower), else the
+    pairs as rows."""
+    span = int(widx.max()) + 1 if len(widx) else 1
+    if len(key) and (int(key.max()) + 1) * span >= 2**62:
+        return np.stack([key, widx], axis=1)
+    return key * span + widx
 
 
 def finish(ct: CooTensor):

@@ -1714,3 +1714,18 @@ def test_large_dense_index_maps_are_scattered_when_they_run(f, monkeypatch):
             np.testing.assert_array_equal(result, expected)
         text = jax.jit(jac).lower(x).as_text()
         assert "scatter" in text
+
+
+def test_pair_keys_count_like_pairs():
+    """Ties with weights are found by counting equal (key, weight) pairs: as one
+    integer each where they fit, as rows of two otherwise, with the same counts."""
+    from graphax_eqx import _indexed
+
+    rng = np.random.default_rng(0)
+    key = rng.integers(0, 50, 400)
+    widx = rng.integers(0, 7, 400)
+    _, expected = np.unique(np.stack([key, widx], axis=1), return_counts=True, axis=0)
+    _, counts = np.unique(_indexed._pair_key(key, widx), return_counts=True)
+    np.testing.assert_array_equal(counts, expected)
+    huge = np.array([2**61, 3, 2**61], np.int64)
+    assert _indexed._pair_key(huge, np.array([0, 5, 0])).shape == (3, 2)
