@@ -982,15 +982,20 @@ def _take_last(x: Array, idx: np.ndarray) -> Array:
     )
 
 
+def _run_starts(ordered: np.ndarray) -> np.ndarray:
+    """Where each run of equal values of a sorted, non-empty array starts."""
+    first = np.empty(len(ordered), bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return first
+
+
 def _distinct(keys: np.ndarray) -> np.ndarray:
     """The sorted distinct `keys` (a stable sort: linear on sorted runs)."""
     if len(keys) < 2 or np.all(keys[1:] > keys[:-1]):
         return keys
     ordered = np.sort(keys, kind="stable")
-    first = np.empty(len(keys), bool)
-    first[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    return ordered[first]
+    return ordered[_run_starts(ordered)]
 
 
 def _sort_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
@@ -1001,9 +1006,7 @@ def _sort_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.nd
         return keys, None, np.arange(len(keys))
     order = np.argsort(keys, kind="stable")
     ordered = keys[order]
-    first = np.empty(len(keys), bool)
-    first[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    first = _run_starts(ordered)
     group = np.cumsum(first, dtype=np.int64)
     group -= 1
     return ordered[first], order, group
