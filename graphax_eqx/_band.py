@@ -332,10 +332,21 @@ def _from_diagonals(
     offsets = sorted(d for d, m in stored.items() if m.any())
     if not offsets:
         return None
-    rows, k = np.nonzero(np.stack([stored[d] for d in offsets]).T)
+    mask = np.stack([stored[d] for d in offsets])
+    n_diag, n_rows = mask.shape
+    if mask.all():
+        rows = np.repeat(np.arange(n_rows, dtype=np.int64), n_diag)
+        k = np.tile(np.arange(n_diag, dtype=np.int64), n_rows)
+    else:
+        rows, k = np.divmod(np.flatnonzero(mask.T), n_diag)
     cols = rows + np.asarray(offsets, np.int64)[k]
     exact = CooPattern(out_shape, in_shape, (), (), rows, cols)
-    return _band_if_worth(exact, offsets)
+    band = _band_if_worth(exact, offsets)
+    if band is not None:
+        # Known here already: spare the band finding them again from `exact`.
+        band.__dict__["positions"] = k * n_rows + rows
+        band.__dict__["stored"] = mask
+    return band
 
 
 def _product_band(ba: BandPattern, bb: BandPattern) -> BandPattern | None:

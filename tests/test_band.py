@@ -251,3 +251,28 @@ def test_stacked_windows(shifts):
             if 0 <= r + s < val.shape[1]:
                 want[j, r] = val[1, r + s]
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+def test_bands_from_diagonals_know_their_slots(gaps):
+    # `_from_diagonals` fills in `positions` and `stored` from the masks it was
+    # given; they must be what the band finds from its exact coordinates.
+    n = _band.BAND_MIN_ROWS + 5
+    rng = np.random.default_rng(3)
+    masks = {d: np.ones(n, bool) for d in (-2, 0, 1, 4)}
+    masks[-2][:2] = False  # columns r - 2 start at row 2
+    masks[7] = np.zeros(n, bool)  # an empty diagonal is dropped
+    if gaps:
+        for m in masks.values():
+            m &= rng.random(n) < 0.9
+    band = _band._from_diagonals((n,), (n + 4,), masks)
+    assert band is not None
+    assert band.offsets == (-2, 0, 1, 4)
+    fresh = _band.BandPattern(band.offsets, band.exact)
+    np.testing.assert_array_equal(band.positions, fresh.positions)
+    np.testing.assert_array_equal(band.stored, fresh.stored)
+    # Coordinates in ascending row, then column.
+    key = band.exact.rows * (n + 4) + band.exact.cols
+    assert np.all(np.diff(key) > 0)
+    for k, d in enumerate(band.offsets):
+        np.testing.assert_array_equal(band.stored[k], masks[d])
