@@ -15,7 +15,13 @@ from typing import Any
 
 from ._band import BandTensor
 from ._graph import EdgeGraph
-from ._indexed import CooPattern, CooTensor, mixed_product_summary, mixed_sum_summary
+from ._indexed import (
+    CooPattern,
+    CooTensor,
+    coo_pattern_of,
+    mixed_product_summary,
+    mixed_sum_summary,
+)
 from ._sparse import (
     AnyPattern,
     LinearMap,
@@ -27,6 +33,7 @@ from ._sparse import (
     product,
     product_muls,
     product_plan,
+    separating_sum,
     sum_plan,
 )
 
@@ -65,6 +72,9 @@ def sim_product_muls(a: SimEdge, b: SimEdge) -> int:
 
 
 def sim_add(a: SimEdge, b: SimEdge) -> tuple[SimEdge, int]:
+    if separating_sum(a.pattern, b.pattern):
+        a = SimEdge(coo_pattern_of(a.pattern, a.has_val), a.has_val)
+        b = SimEdge(coo_pattern_of(b.pattern, b.has_val), b.has_val)
     if _coordinates(a.pattern) or _coordinates(b.pattern):
         pattern, has_val, adds = mixed_sum_summary(
             a.pattern, b.pattern, a.has_val, b.has_val

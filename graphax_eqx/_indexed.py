@@ -1375,18 +1375,18 @@ def _converted(pa, pb, a_val: bool, b_val: bool):
     conv_a = conv_b = None
     if isinstance(pa, CooPattern) and not isinstance(pb, CooPattern):
         if isinstance(pb, Pattern) and _free_entries(pb) <= MAX_CONVERT:
-            conv_b, pb = "coo", _coo_pattern_of(pb, b_val)
+            conv_b, pb = "coo", coo_pattern_of(pb, b_val)
         else:
             conv_a, pa, a_val = "labeled", labeled_pattern(pa)[0], True
     elif isinstance(pb, CooPattern) and not isinstance(pa, CooPattern):
         if isinstance(pa, Pattern) and _free_entries(pa) <= MAX_CONVERT:
-            conv_a, pa = "coo", _coo_pattern_of(pa, a_val)
+            conv_a, pa = "coo", coo_pattern_of(pa, a_val)
         else:
             conv_b, pb, b_val = "labeled", labeled_pattern(pb)[0], True
     return conv_a, conv_b, pa, pb, a_val, b_val
 
 
-def _coo_pattern_of(p: Pattern, has_val: bool) -> CooPattern:
+def coo_pattern_of(p: Pattern, has_val: bool) -> CooPattern:
     coo = _coo_of_labeled(p)[0]
     return coo if has_val else coo.with_varying((False,) * len(coo.ties))
 

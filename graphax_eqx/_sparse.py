@@ -1227,6 +1227,31 @@ def sum_plan(pa: AnyPattern, pb: AnyPattern, a_val: bool, b_val: bool):
     return target, target.val_size
 
 
+# A sum of two labeled partials whose ties differ stores every combination of the
+# axes it separates; where that is more than this many times the operands' entries,
+# the two are summed as coordinates instead.
+SEPARATED_SUM_GROWTH = 4
+
+
+def separating_sum(pa: AnyPattern, pb: AnyPattern) -> bool:
+    """Whether `A + B`, two labeled patterns with different ties, is summed as
+    coordinates: the labeled sum would grow past `SEPARATED_SUM_GROWTH` times the
+    entries of its terms (`x[:, None] - x[None, :]`: two broadcasts of `n²` entries
+    each, whose labeled sum is an `n × n × n` block)."""
+    if not (isinstance(pa, Pattern) and isinstance(pb, Pattern)):
+        return False
+    if pa.labels == pb.labels:
+        return False
+    entries = sum(math.prod(p.sizes) for p in (pa, pb))
+    if max(_indexed._free_entries(pa), _indexed._free_entries(pb)) > (
+        _indexed.MAX_CONVERT
+    ):
+        return False
+    target, _ = sum_plan(pa, pb, True, True)
+    assert isinstance(target, Pattern)
+    return target.val_size > SEPARATED_SUM_GROWTH * entries
+
+
 def _mostly_stored(p: AnyPattern, has_val: bool) -> bool:
     """Whether `p` stores at least half of a dense block with values that mix.
 
@@ -1245,6 +1270,8 @@ def add(a: Partial, b: Partial) -> tuple[Partial, int]:
     """`A + B`; returns the sum and its number of additions."""
     a_val, b_val = has_val(a), has_val(b)
     dtype = _result_dtype(a, b)
+    if separating_sum(a.pattern, b.pattern):
+        a, b = _indexed.to_coo(a), _indexed.to_coo(b)
     if _coordinates(a.pattern) or _coordinates(b.pattern):
         plan = _indexed.mixed_sum_plan(a.pattern, b.pattern, a_val, b_val)
         return _indexed.run_add(a, b, plan, dtype)

@@ -22,7 +22,14 @@ from jax import lax
 from jaxtyping import Array
 
 from .. import _jax_private as jp
-from .._indexed import CooTensor, _take_last, entry_pattern, finish, from_entries
+from .._indexed import (
+    CooPattern,
+    CooTensor,
+    _take_last,
+    entry_pattern,
+    finish,
+    from_entries,
+)
 from .._sparse import diagonal, from_labeled, linear_map
 from ._base import is_float, register, shape_of
 from .fallback import fallback_rule
@@ -270,6 +277,9 @@ def _cumsum(primals, active, **params):
         return [out], {}
     axis, reverse = params["axis"], params["reverse"]
     shape = shape_of(out)
+    partial = _tied_cumsum(shape, axis, reverse, out.dtype)
+    if partial is not None:
+        return [out], {(0, 0): partial}
     partial = linear_map(
         functools.partial(_cumulative_sum, axis=axis, reverse=reverse),
         shape,
@@ -278,6 +288,37 @@ def _cumsum(primals, active, **params):
         tfn=functools.partial(_cumulative_sum, axis=axis, reverse=not reverse),
     )
     return [out], {(0, 0): partial}
+
+
+# A cumulative sum along one axis of a larger array is a static pattern of ones (a
+# triangle per slice) up to this many entries per slice.
+_MAX_CUMSUM_ENTRIES = 1 << 22
+
+
+def _tied_cumsum(shape, axis, reverse, dtype):
+    """A cumulative sum along `axis` of an array with other axes longer than 1: a
+    triangle of ones on the summed axis, tied on every other axis, so a batch of
+    cumulative sums has a block-diagonal Jacobian. `None` for a single axis (the sum
+    itself is the map: applied at run time it costs `n` a column, a triangle `n²/2`)
+    or a triangle of more than `_MAX_CUMSUM_ENTRIES` entries."""
+    n = shape[axis]
+    if all(d == 1 for a, d in enumerate(shape) if a != axis):
+        return None
+    if not 0 < n * (n + 1) // 2 <= _MAX_CUMSUM_ENTRIES:
+        return None
+    # Output `o` sums the inputs up to `o` (from `o` on, reversed): ascending rows,
+    # then columns.
+    rows, cols = np.tril_indices(n) if not reverse else np.triu_indices(n)
+    others = tuple(a for a in range(len(shape)) if a != axis)
+    p = CooPattern(
+        shape,
+        shape,
+        tuple((a, a) for a in others),
+        (False,) * len(others),
+        rows.astype(np.int64),
+        cols.astype(np.int64),
+    )
+    return finish(CooTensor(None, p, jnp.dtype(dtype)))
 
 
 def _cumulative_sum(t, *, axis, reverse):
@@ -643,15 +684,42 @@ def _sort(primals, active, **params):
     iota = lax.broadcasted_iota(jnp.int32, shape, dim)
     *outs, perm = lax.sort_p.bind(*primals, iota, **params)
     partials = {}
+    n = shape[dim]
+    others = [a for a in range(len(shape)) if a != dim]
+    # Sorting along one axis of a larger array permutes each slice on its own: tied
+    # on the other axes, with one permutation matrix per slice (its values known
+    # at run time only), up to `_MAX_SORT_BLOCKS` entries in all.
+    blocks = any(shape[a] != 1 for a in others) and 0 < n * math.prod(shape) <= (
+        _MAX_SORT_BLOCKS
+    )
     for i, a in enumerate(active):
-        if a:
+        if not a:
+            continue
+        dtype = outs[i].dtype
+        if blocks:
+            moved = jnp.moveaxis(perm, dim, -1)[..., None]
+            val = (
+                moved
+                == lax.broadcasted_iota(
+                    perm.dtype, (1,) * len(shape) + (n,), len(shape)
+                )
+            ).astype(dtype)
+            out_labels = [("t", a) if a != dim else ("out",) for a in range(len(shape))]
+            in_labels = [("t", a) if a != dim else ("in",) for a in range(len(shape))]
+            val_labels = [("t", a) for a in others] + [("out",), ("in",)]
+            partials[(i, i)] = from_labeled(
+                val, val_labels, shape, shape, out_labels + in_labels, dtype
+            )
+        else:
             partials[(i, i)] = linear_map(
-                lambda t: jnp.take_along_axis(t, perm, axis=dim),
-                shape,
-                shape,
-                outs[i].dtype,
+                lambda t: jnp.take_along_axis(t, perm, axis=dim), shape, shape, dtype
             )
     return list(outs), partials
+
+
+# Sorts along one axis of a larger array store their per-slice permutations densely
+# up to this many entries.
+_MAX_SORT_BLOCKS = 1 << 24
 
 
 def _window_pairs(n, window, stride, padding, base, dilation):
