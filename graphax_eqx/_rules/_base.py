@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._sparse import Partial
+from .._sparse import Partial, from_labeled
 
 
 Partials = dict[tuple[int, int], Partial]
@@ -54,3 +54,16 @@ def shape_of(x) -> tuple[int, ...]:
 
 def active_indices(active: Sequence[bool]) -> list[int]:
     return [i for i, a in enumerate(active) if a]
+
+
+def per_slice_blocks(
+    blocks: Array, shape: tuple[int, ...], axis: int, dtype
+) -> Partial:
+    """The partial of a map that acts on each slice along `axis` of an array of
+    `shape` on its own: tied on every other axis, with `blocks` (shaped like the
+    other axes, then `(n, n)`, output before input) its dense block per slice."""
+    others = [a for a in range(len(shape)) if a != axis]
+    out_labels = [("t", a) if a != axis else ("out",) for a in range(len(shape))]
+    in_labels = [("t", a) if a != axis else ("in",) for a in range(len(shape))]
+    val_labels = [("t", a) for a in others] + [("out",), ("in",)]
+    return from_labeled(blocks, val_labels, shape, shape, out_labels + in_labels, dtype)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._sparse import from_labeled
-from ._base import register, shape_of
+from ._base import per_slice_blocks, register, shape_of
 
 
 def _reduce_labels(in_shape, axes):
@@ -114,13 +114,7 @@ def _cumulative_rule(prim):
 
             blocks = jax.vmap(jax.jacfwd(scan_row))(rows)  # (rows, n_out, n_in)
         blocks = blocks.reshape(tuple(shape[i] for i in other) + (n, n))
-        out_labels = [("t", i) if i != axis else ("out",) for i in range(x.ndim)]
-        in_labels = [("t", i) if i != axis else ("in",) for i in range(x.ndim)]
-        val_labels = [("t", i) for i in other] + [("out",), ("in",)]
-        partial = from_labeled(
-            blocks, val_labels, shape, shape, out_labels + in_labels, out.dtype
-        )
-        return [out], {(0, 0): partial}
+        return [out], {(0, 0): per_slice_blocks(blocks, shape, axis, out.dtype)}
 
     return rule
 

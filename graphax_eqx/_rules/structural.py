@@ -31,7 +31,7 @@ from .._indexed import (
     from_entries,
 )
 from .._sparse import diagonal, from_labeled, linear_map
-from ._base import is_float, register, shape_of
+from ._base import is_float, per_slice_blocks, register, shape_of
 from .fallback import fallback_rule
 
 
@@ -697,19 +697,13 @@ def _sort(primals, active, **params):
             continue
         dtype = outs[i].dtype
         if blocks:
+            # Block entry (o, i) of a slice is one where its output o takes input i.
             moved = jnp.moveaxis(perm, dim, -1)[..., None]
-            val = (
-                moved
-                == lax.broadcasted_iota(
-                    perm.dtype, (1,) * len(shape) + (n,), len(shape)
-                )
-            ).astype(dtype)
-            out_labels = [("t", a) if a != dim else ("out",) for a in range(len(shape))]
-            in_labels = [("t", a) if a != dim else ("in",) for a in range(len(shape))]
-            val_labels = [("t", a) for a in others] + [("out",), ("in",)]
-            partials[(i, i)] = from_labeled(
-                val, val_labels, shape, shape, out_labels + in_labels, dtype
+            column = lax.broadcasted_iota(
+                perm.dtype, (1,) * len(shape) + (n,), len(shape)
             )
+            blocks_val = (moved == column).astype(dtype)
+            partials[(i, i)] = per_slice_blocks(blocks_val, shape, dim, dtype)
         else:
             partials[(i, i)] = linear_map(
                 lambda t: jnp.take_along_axis(t, perm, axis=dim), shape, shape, dtype
