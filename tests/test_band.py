@@ -253,6 +253,18 @@ def test_stacked_windows(shifts):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("shifts", [[-3, 0, 2], [0], [1, 4], [-5, -1], [-2, 3]])
+@pytest.mark.parametrize("n", [8, 10, 13])
+def test_windows_read_one_padded_copy(shifts, n):
+    val = np.arange(3 * 10, dtype=np.float32).reshape(3, 10) + 1
+    window = _band._windows(jnp.asarray(val), shifts, n)
+    for row in range(3):
+        for shift in shifts:
+            got = np.asarray(window(row, shift))
+            want = np.asarray(_band._window(jnp.asarray(val), row, row + 1, shift, n))
+            np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("gaps", [False, True])
 def test_bands_from_diagonals_know_their_slots(gaps):
     # `_from_diagonals` fills in `positions` and `stored` from the masks it was
