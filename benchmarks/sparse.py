@@ -800,7 +800,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         + ", ".join(sparse_tasks.SPARSE_TASKS),
     )
     parser.add_argument(
-        "--repeats", type=int, default=20, help="timed repetitions (default: 20)"
+        "--repeats",
+        type=int,
+        default=200,
+        help="timed repetitions, within the time budget (default: 200)",
     )
     parser.add_argument(
         "--time-budget",
