@@ -25,6 +25,7 @@ from jax import lax
 
 from . import _jax_private as jp
 from ._complex import realify
+from ._indexed import densify_small_blocks
 from ._rules import get_rule, zero_derivative
 from ._rules.custom import check_rules_inside
 from ._rules.elementwise import computed_once
@@ -524,4 +525,5 @@ def evaluate(
         graph.add_vertex(o)
         shape, dtype = structure.shape_of[o], structure.dtype_of[o]
         graph.set(src, o, diagonal(None, shape, dtype))
+    densify_small_blocks(graph, structure)
     return flat_out, graph, adds

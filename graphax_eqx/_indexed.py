@@ -14,6 +14,7 @@ result whose density passes `DENSE_FRACTION` is stored densely instead.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -420,6 +421,12 @@ def _store_dense(p: CooPattern) -> bool:
     size = p.n_out_free * p.n_in_free
     if p.nnz == size:
         return True
+    import os
+
+    small = int(os.environ.get("GX_SMALL", "0"))
+    frac = float(os.environ.get("GX_FRAC", "0.5"))
+    if size <= small and p.nnz > frac * size:
+        return True
     return size >= DENSE_MIN_SIZE and p.nnz > DENSE_FRACTION * size
 
 
@@ -512,6 +519,62 @@ def to_labeled(ct: CooTensor) -> SparseTensor:
         # Entries off the coordinates hold no term: selected away too.
         mask = _transpose(_scatter_free(ct.mask, p, True), perm)
     return SparseTensor(_cast(val, ct.dtype), pattern, ct.dtype, mask)
+
+
+# A vectorised batch of Jacobians with at most this many entries each (per entry of
+# the batch axes) is computed densely; see `densify_small_blocks`.
+SMALL_BLOCK = 8
+
+
+def _free_size(partial) -> int | None:
+    """Entries per tie (the product of the free axes' sizes) of a partial stored by
+    ties and coordinates or labels, else `None`."""
+    if isinstance(partial, CooTensor):
+        return partial.pattern.n_out_free * partial.pattern.n_in_free
+    if isinstance(partial, SparseTensor):
+        p = partial.pattern
+        counts = collections.Counter(p.labels)
+        return math.prod(p.sizes[label] for label, c in counts.items() if c == 1)
+    return None
+
+
+def densify_small_blocks(graph, structure) -> bool:
+    """Store the coordinate partials of `graph` densely on their free axes when the
+    graph is a vectorised batch of small Jacobians; returns whether it did.
+
+    A function written on a batch axis (`x[:, i]` of a `(B, n)` array, elementwise
+    formulas, `stack(..., axis=1)`) has partials tied on the batch, each a small block
+    per batch entry. Stored by coordinates, every sum of two blocks with different
+    entries gathers both into their union, and XLA evaluates those gathers entry by
+    entry inside the kernel that writes the result. Stored densely (as `jax.jacfwd`
+    stores its tangents), products and sums are broadcast arithmetic. That is done
+    when every partial has at most `SMALL_BLOCK` entries per tie, some coordinate
+    partial is tied, and the Jacobian itself is dense per tie, found by eliminating
+    the exact patterns first: then dense storage adds no entry to the result."""
+    from ._eliminate import sim_edge
+    from ._simulator import Simulator
+
+    edges = [e for row in graph.succ.values() for e in row.values()]
+    coo = [e for e in edges if isinstance(e, CooTensor)]
+    if not any(e.pattern.ties for e in coo):
+        return False
+    for e in edges:
+        size = _free_size(e)
+        if size is None or size > SMALL_BLOCK:
+            return False
+    sim = Simulator(graph.copy_with(sim_edge), list(structure.intermediates))
+    state = sim.start()
+    for i in sorted(state.remaining):
+        sim.eliminate(state, i)
+    for row in state.succ:
+        for k in row.values():
+            if isinstance(sim.edge(k).pattern, CooPattern):
+                return False  # a result block with structural zeros
+    for u, row in graph.succ.items():
+        for w, e in list(row.items()):
+            if isinstance(e, CooTensor):
+                graph.set(u, w, to_labeled(e))
+    return True
 
 
 @functools.lru_cache(maxsize=4096)
