@@ -389,6 +389,8 @@ class EdgeGraph:
     def __init__(self):
         self.succ: dict[int, dict[int, Any]] = {}
         self.pred: dict[int, dict[int, Any]] = {}
+        # Exact patterns of result blocks computed densely (`densify_small_blocks`).
+        self.exact: dict[tuple[int, int], Any] = {}
 
     def add_vertex(self, v: int):
         self.succ.setdefault(v, {})

@@ -523,7 +523,7 @@ def to_labeled(ct: CooTensor) -> SparseTensor:
 
 # A vectorised batch of Jacobians with at most this many entries each (per entry of
 # the batch axes) is computed densely; see `densify_small_blocks`.
-SMALL_BLOCK = 8
+SMALL_BLOCK = 32
 
 
 def _free_size(partial) -> int | None:
@@ -548,15 +548,20 @@ def densify_small_blocks(graph, structure) -> bool:
     entries gathers both into their union, and XLA evaluates those gathers entry by
     entry inside the kernel that writes the result. Stored densely (as `jax.jacfwd`
     stores its tangents), products and sums are broadcast arithmetic. That is done
-    when every partial has at most `SMALL_BLOCK` entries per tie, some coordinate
-    partial is tied, and the Jacobian itself is dense per tie, found by eliminating
-    the exact patterns first: then dense storage adds no entry to the result."""
+    when every partial has at most `SMALL_BLOCK` entries per tie and every coordinate
+    partial is tied on more entries than its block has. The exact patterns of the
+    Jacobian's blocks are found first, by eliminating the graph's patterns as they
+    are, and kept in `graph.exact`: the
+    blocks are read back to those entries once eliminated (`restore_exact`), so the
+    result stores exactly its structural nonzeros."""
     from ._eliminate import sim_edge
     from ._simulator import Simulator
 
     edges = [e for row in graph.succ.values() for e in row.values()]
     coo = [e for e in edges if isinstance(e, CooTensor)]
-    if not any(e.pattern.ties for e in coo):
+    # Coordinates on small blocks of a batch: every coordinate partial tied on more
+    # entries than its block has (a small mesh's index maps are not a batch).
+    if not coo or any(math.prod(e.pattern.tie_sizes) <= _free_size(e) for e in coo):
         return False
     for e in edges:
         size = _free_size(e)
@@ -566,15 +571,55 @@ def densify_small_blocks(graph, structure) -> bool:
     state = sim.start()
     for i in sorted(state.remaining):
         sim.eliminate(state, i)
-    for row in state.succ:
-        for k in row.values():
-            if isinstance(sim.edge(k).pattern, CooPattern):
-                return False  # a result block with structural zeros
+    exact = {}
+    for iu, row in enumerate(state.succ):
+        for iw, k in row.items():
+            pattern = sim.edge(k).pattern
+            if isinstance(pattern, CooPattern):
+                exact[sim.vertices[iu], sim.vertices[iw]] = pattern
     for u, row in graph.succ.items():
         for w, e in list(row.items()):
             if isinstance(e, CooTensor):
-                graph.set(u, w, to_labeled(e))
+                graph.set(u, w, _densified(e))
+    graph.exact = exact
     return True
+
+
+def _densified(e: CooTensor) -> SparseTensor:
+    """`e` stored densely on its free axes, its structural zeros selected away: a
+    product through them holds no term, so an infinite partial meets no zero there
+    (as on coordinates) and the Jacobian's NaNs stay where the coordinates put them."""
+    if e.mask is None:
+        val = e.val
+        if val is None:
+            assert not any(e.pattern.varying)
+            val = jnp.ones((e.pattern.nnz,), e.dtype)
+        e = CooTensor(val, e.pattern, e.dtype, jnp.zeros(val.shape, bool))
+    return to_labeled(e)
+
+
+def restore_exact(graph) -> None:
+    """Read the blocks that `densify_small_blocks` computed densely back to their
+    exact entries (one gather each)."""
+    for (u, w), pattern in graph.exact.items():
+        block = graph.succ[u].get(w)
+        if not isinstance(block, SparseTensor):
+            continue
+        full = to_coo(block)
+        p = full.pattern
+        if p.ties != pattern.ties or p.shape != pattern.shape:
+            continue  # not expected; the dense block stays correct
+        keys = p.rows * p.n_in_free + p.cols
+        order = np.argsort(keys, kind="stable")
+        at = order[
+            np.searchsorted(keys[order], pattern.rows * p.n_in_free + pattern.cols)
+        ]
+        exact = CooPattern(
+            p.out_shape, p.in_shape, p.ties, p.varying, pattern.rows, pattern.cols
+        )
+        val = None if full.val is None else _take_last(full.val, at)
+        mask = None if full.mask is None else _take_last(full.mask, at)
+        graph.set(u, w, CooTensor(val, exact, full.dtype, mask))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -33,7 +33,7 @@ from ._graph import (
     inline,
     shaping_vars,
 )
-from ._indexed import CooPattern, CooTensor, sums_as_gathers
+from ._indexed import CooPattern, CooTensor, restore_exact, sums_as_gathers
 from ._orders import normalise_order, resolve
 from ._sparse import LinearMap, SparseTensor, to_sparse
 
@@ -392,6 +392,8 @@ def _eliminate(prep: _Prepared, order_spec, known: frozenset[int] = frozenset())
             _remember(orders, key, order, _MAX_ORDERS)
     with sums_as_gathers():
         muls, adds, per_vertex = run_order(graph, order, real_product, real_add)
+    if graph.exact:
+        restore_exact(graph)
     counts = {
         "num_muls": int(muls),
         "num_adds": int(adds + adds0),

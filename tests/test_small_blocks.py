@@ -62,12 +62,26 @@ def spy(monkeypatch):
     return calls
 
 
+def _wide(x):
+    # Forty columns per row: more entries per batch entry than `SMALL_BLOCK`.
+    wide = jnp.concatenate([x] * 14, axis=1)[:, :40]
+    return jnp.stack([jnp.sum(jnp.sin(wide), axis=1), wide[:, 0] * wide[:, 39]], axis=1)
+
+
 @pytest.mark.parametrize(
-    ("fun", "dense"), [(_flux, True), (_sparse_per_row, False), (_rolled, False)]
+    ("fun", "dense"),
+    [(_flux, True), (_sparse_per_row, True), (_rolled, False), (_wide, False)],
 )
 def test_which_graphs_are_densified(spy, fun, dense):
-    gx.jacve(fun)(_input())
+    x = _input()
+    gx.jacve(fun)(x)
     assert spy and all(done == dense for done in spy)
+    np.testing.assert_allclose(
+        np.asarray(gx.jacve(fun, sparse_representation=True)(x).dense()),
+        np.asarray(jax.jacfwd(fun)(x)),
+        rtol=2e-5,
+        atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -80,15 +94,17 @@ def test_values_and_stored_entries(fun, order):
         return
     sparse = jax.jit(gx.jacve(fun, order=order, sparse_representation=True))(x)
     np.testing.assert_allclose(np.asarray(sparse.dense()), ref, rtol=1e-12)
-    # Every row's block of the flux is dense; the other keeps its structural zeros.
+    # Computed densely per row, read back to the exact entries: the second
+    # function's blocks keep out their structural zeros.
     assert sparse.to_bcoo().nse == np.count_nonzero(ref)
 
 
 @pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "min_fill"])
-def test_counts_match_the_simulator(order):
+@pytest.mark.parametrize("fun", [_flux, _sparse_per_row])
+def test_counts_match_the_simulator(fun, order):
     x = _input()
-    _, counts = gx.jacve(_flux, order=order, count_ops=True)(x)
-    cost = gx.elimination_cost(_flux, order=order)(x)
+    _, counts = gx.jacve(fun, order=order, count_ops=True)(x)
+    cost = gx.elimination_cost(fun, order=order)(x)
     assert counts["num_muls"] == cost.num_muls
     assert counts["num_adds"] == cost.num_adds
 
