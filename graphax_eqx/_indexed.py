@@ -561,7 +561,10 @@ def densify_small_blocks(graph, structure) -> bool:
     coo = [e for e in edges if isinstance(e, CooTensor)]
     # Coordinates on small blocks of a batch: every coordinate partial tied on more
     # entries than its block has (a small mesh's index maps are not a batch).
-    if not coo or any(math.prod(e.pattern.tie_sizes) <= _free_size(e) for e in coo):
+    if not coo or any(
+        math.prod(e.pattern.tie_sizes) <= e.pattern.n_out_free * e.pattern.n_in_free
+        for e in coo
+    ):
         return False
     for e in edges:
         size = _free_size(e)
