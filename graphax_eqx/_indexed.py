@@ -421,12 +421,6 @@ def _store_dense(p: CooPattern) -> bool:
     size = p.n_out_free * p.n_in_free
     if p.nnz == size:
         return True
-    import os
-
-    small = int(os.environ.get("GX_SMALL", "0"))
-    frac = float(os.environ.get("GX_FRAC", "0.5"))
-    if size <= small and p.nnz > frac * size:
-        return True
     return size >= DENSE_MIN_SIZE and p.nnz > DENSE_FRACTION * size
 
 
