@@ -1270,7 +1270,7 @@ def jacve(
     - `order`: `"fwd"` (or `"forward"`), `"rev"` (or `"reverse"`), one of the
         greedy heuristics `"markowitz"` (eliminate the currently cheapest vertex),
         `"relative_markowitz"` or `"min_fill"` (see `docs/orders.md`), `"auto"`
-        (the better of fwd and rev, unless a heuristic is predicted at least 10%
+        (the better of fwd and rev, unless a heuristic is predicted at least 15%
         cheaper; decided from the graph's structure alone), a sequence of vertex
         ids as listed by `graphax_eqx.make_graph`, or a `graphax_eqx.Order` from
         `graphax_eqx.search_order` / `graphax_eqx.load_order`. Names are
