@@ -17,7 +17,13 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import PyTree
 
-from ._jacve import _check_argnums, _describe_value, _JacVE, _normalise_argnums
+from ._jacve import (
+    _check_argnums,
+    _describe_value,
+    _JacVE,
+    _normalise_argnums,
+    named_after,
+)
 from ._orders import normalise_order
 
 
@@ -182,6 +188,7 @@ def _differentiate(
         traced["aux"] = (aux_treedef, aux_static)
         return out_leaves, aux_leaves
 
+    named_after(flat_fun, fun)
     # The engine's errors (non-float outputs, an order made for another graph) name
     # the function the user called.
     if with_value:

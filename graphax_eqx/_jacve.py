@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import inspect
+import logging
 import math
 import operator
 from collections import OrderedDict
@@ -71,6 +73,12 @@ def _normalise_argnums(argnums, name: str = "jacve") -> tuple[tuple[int, ...], b
 def _check_argnums(argnums: tuple[int, ...], nargs: int, name: str) -> tuple[int, ...]:
     out = []
     for a in argnums:
+        if nargs == 0:
+            raise ValueError(
+                f"`{name}` got `argnums={a}`, but the function was called without "
+                "positional arguments, so there is nothing to differentiate. Pass "
+                "the arguments to differentiate positionally."
+            )
         if not -nargs <= a < nargs:
             raise ValueError(
                 f"`{name}` got `argnums={a}`, but the function was called with {nargs} "
@@ -256,6 +264,23 @@ def _analysis(program: Program, diff_mask, num_out: int) -> _Analysis:
     return found
 
 
+def named_after(wrapper, fun) -> None:
+    """Let JAX's tracing errors name `fun` (and where it is defined) instead of
+    `wrapper`, an internal function that calls it."""
+    target = fun
+    if not hasattr(target, "__code__"):
+        # A callable object (an Equinox module, say): its `__call__`.
+        call = getattr(type(fun), "__call__", None)
+        if hasattr(call, "__code__"):
+            target = call
+    wrapper.__wrapped__ = target
+
+
+_LEAVES_SIGNATURE = inspect.Signature(
+    [inspect.Parameter("leaves", inspect.Parameter.VAR_POSITIONAL)]
+)
+
+
 def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
     """Trace `fun` on `leaves` (every one differentiated), keeping their dtypes, weak
     types and shardings; `rebuild(leaves)` gives `fun`'s positional and keyword
@@ -303,6 +328,9 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
         )
         return out_leaves + aux_leaves
 
+    named_after(flat_fun, fun)
+    # The differentiated leaves are then named `leaves[i]` (`jax.tree.leaves` order).
+    flat_fun.__signature__ = _LEAVES_SIGNATURE  # pyright: ignore[reportFunctionMemberAccess]
     closed = jax.make_jaxpr(flat_fun)(*leaves)
     program = inline(closed)
     return _Traced(
@@ -1139,7 +1167,13 @@ def _equinox_errors():
     """An `eqx.error_if` that fires in an eager call raises `eqx.EquinoxRuntimeError`
     with its message, as it does eagerly or under `eqx.filter_jit`, rather than the
     runtime error of the callback it runs as. (Under `jax.jit` JAX raises that error
-    after the call, as it does for `jax.jit(jax.jacfwd(f))`.)"""
+    after the call, as it does for `jax.jit(jax.jacfwd(f))`.)
+
+    JAX also logs such an error of a callback with its traceback; that log, which
+    says nothing the raised error does not, is left out as `eqx.filter_jit` leaves it
+    out."""
+    logger = logging.getLogger("jax._src.callback")
+    logger.addFilter(_quiet_equinox_callback)
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
@@ -1149,6 +1183,14 @@ def _equinox_errors():
         message = text.split(_EQX_ERROR, 1)[1].split("\n\n\n", 1)[0].strip()
         error = getattr(eqx, "EquinoxRuntimeError", RuntimeError)
         raise error(message) from None
+    finally:
+        logger.removeFilter(_quiet_equinox_callback)
+
+
+def _quiet_equinox_callback(record: logging.LogRecord) -> bool:
+    """False for JAX's log of an `eqx.error_if` raising in a callback."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and type(exc).__name__ == "_EquinoxRuntimeError")
 
 
 def _jaxprs_in(value):

@@ -83,6 +83,40 @@ def test_argnums_out_of_range(argnums):
         graphax_eqx.jacve(f, argnums=argnums)(jnp.ones(2), jnp.ones(2))
 
 
+def test_no_positional_arguments():
+    with pytest.raises(ValueError, match=r"without positional arguments"):
+        graphax_eqx.jacve(lambda: jnp.ones(3))()
+
+
+def _branches_on_its_input(x):
+    if x[0] > 0:
+        return 2.0 * x
+    return x
+
+
+class _Branching(eqx.Module):
+    weight: jax.Array
+
+    def __call__(self, x):
+        return _branches_on_its_input(self.weight * x)
+
+
+@pytest.mark.parametrize(
+    "api", ["jacve", "filter_jacve", "filter_value_and_jacve", "eqx_jacve"]
+)
+def test_tracing_errors_name_the_function(api):
+    # JAX's error for Python control flow on a traced value names the user's
+    # function (not an internal wrapper), as `jax.jit` of that function would.
+    differentiate = getattr(graphax_eqx, api)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        differentiate(_branches_on_its_input)(jnp.ones(3))
+    assert "_branches_on_its_input" in str(info.value)
+    assert "flat_fun" not in str(info.value)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        differentiate(_Branching(jnp.ones(3)))(jnp.ones(3))
+    assert "flat_fun" not in str(info.value)
+
+
 @pytest.mark.parametrize("order", ["forwards", "sideways", "", "markowitz2"])
 def test_bad_order_string(order):
     with pytest.raises(ValueError, match=r"order"):
@@ -299,7 +333,7 @@ def test_equinox_layer_errors_name_the_function_called(make):
         transform(lambda x: x * 2.0, has_aux=True)(_x())
 
 
-def test_equinox_runtime_errors_raise_as_in_equinox():
+def test_equinox_runtime_errors_raise_as_in_equinox(caplog):
     # An `eqx.error_if` that fires raises `eqx.EquinoxRuntimeError` with its message
     # in every eager call, as eager `jax.jacfwd` does, not the runtime error of the
     # callback it runs as. (Its check reads the differentiated input, so such a
@@ -323,3 +357,6 @@ def test_equinox_runtime_errors_raise_as_in_equinox():
         )
     with pytest.raises(eqx.EquinoxRuntimeError, match="negative input"):
         eqx.filter_jit(graphax_eqx.filter_jacve(f))(-jnp.ones(3))
+    # JAX's log of the failed callback, with its traceback, is left out, as
+    # `eqx.filter_jit` leaves it out.
+    assert not [r for r in caplog.records if "pure_callback" in r.getMessage()]
