@@ -727,11 +727,11 @@ def stale_closure(params: dict, num_tangents: int) -> bool:
 # `tan` of real numbers among the cheap operations, which it recomputes inside every
 # kernel that reads them rather than write them to memory once: a kinematic chain's
 # dozen sines became over a hundred, and most of the run time. Division is not
-# cheap to it, so on the CPU `compute_once(x)` is `x / ((x - x) + 1)`, which it does
-# not duplicate, and XLA does not fold `x - x` of floats. That is `x` exactly for
-# finite and NaN `x` but subnormal ones, which XLA CPU's arithmetic flushes to zero (a
-# sine or tangent is subnormal only where its argument is). Elsewhere, and in eager
-# calls, it is `x` itself. Its derivative passes tangents through untouched.
+# cheap to it, so on the CPU `compute_once(x)` is `x` divided by a one XLA cannot
+# fold, which it does not duplicate. That is `x` exactly, infinities and NaNs
+# included, but for subnormal `x`, which XLA CPU's arithmetic flushes to zero (a sine
+# or tangent is subnormal only where its argument is). Elsewhere, and in eager calls,
+# it is `x` itself. Its derivative passes tangents through untouched.
 compute_once_p = jex_core.Primitive("compute_once")
 compute_once_p.def_impl(lambda x: x)
 compute_once_p.def_abstract_eval(lambda aval: aval)
@@ -744,7 +744,10 @@ _mlir.register_lowering(compute_once_p, lambda ctx, x: [x])
 
 
 def _divide_by_one(x):
-    return x / ((x - x) + 1)
+    # `x == x` or `x != x` is true for every float, NaN included, but XLA does not
+    # fold it, so the division stays.
+    one = lax.convert_element_type((x == x) | (x != x), x.dtype)
+    return x / one
 
 
 def _compute_once_cpu(ctx, x):

@@ -34,6 +34,8 @@ from jax import lax
 from jax.experimental import sparse as jsparse
 from jaxtyping import Array
 
+from . import _jax_private as jp
+
 
 #
 # Thin helpers on `lax` primitives: this code runs once per product at trace time, and
@@ -232,6 +234,11 @@ def vmapped_axes(val: Array | None, shape: tuple[int, ...]) -> int:
     return batch
 
 
+# A dense result at least this many times larger than its stored values has them
+# computed once before they are spread (`SparseTensor.dense`).
+SPREAD = 8
+
+
 def batched_dense(block, batch: int) -> Array:
     """`block.dense()` of a result vmapped over `batch` leading axes."""
     fn = type(block).dense
@@ -299,7 +306,13 @@ class SparseTensor(BlockShape, eqx.Module):
         if batch:
             return batched_dense(self, batch)
         target = dense_pattern(p.out_shape, p.in_shape)
-        return refine(self, target).val  # pyright: ignore
+        st = self
+        if st.val is not None and target.val_size >= SPREAD * st.val.size:
+            # Spread over many more entries, the values are written once first: XLA
+            # would otherwise fuse their computation into the kernel that writes
+            # the dense array and redo it at every entry, zeros included.
+            st = dataclasses.replace(st, val=jp.compute_once(st.val))
+        return refine(st, target).val  # pyright: ignore
 
     def todense(self) -> Array:
         """Alias of `graphax_eqx.SparseTensor.dense`."""
