@@ -165,7 +165,8 @@ class _Analysis:
     plan: _Plan | None = None  # how a compiled eager run takes values, made once
     callbacks: bool | None = None  # whether the program calls back to Python
     on_arrays: bool | None = None  # whether any operation is on arrays, not scalars
-    keyed: int = 0  # keys an eager call has come with, for this structure
+    # (order, sparse) pairs that eager calls have come with, for this structure
+    keyed: set = dataclasses.field(default_factory=set)
 
 
 _ANALYSES: OrderedDict[Any, _Analysis] = OrderedDict()
@@ -790,9 +791,11 @@ def _eager_layout(prep: _Prepared, jac):
 # compiling the whole function is 3-13x faster (`benchmarks/NOTES.md`); programs of
 # scalars only reuse a few cached executables and run faster eagerly. So the first
 # call compiles at once where the program has an operation on arrays and no call has
-# come with its structure before. A loop that closes over a new Python float each
-# time (an ODE's time) makes a new key on every call; it compiles on its first call
-# only, and runs eagerly after that, as before.
+# come with its structure, order and output kind before (trying several orders on
+# one function compiles each, rather than running all but the first one operation at
+# a time). A loop that closes over a new Python float each time (an ODE's time) makes
+# a new key on every call; it compiles on its first call only, and runs eagerly after
+# that, as before.
 # Tracing rules costs time, so they join the key only once the rest of it has come
 # round before: a program with custom derivatives compiles on its third call (on its
 # first where it compiles at once, as above).
@@ -1114,8 +1117,10 @@ def _run_compiled(prep: _Prepared, order_spec, as_tuple: bool, sparse: bool):
     if not plan.compilable:
         return None
     analysis = prep.traced.analysis
-    # A structure no eager call has come with yet: an array program compiles now.
-    first = analysis.keyed == 0 and _array_program(prep.traced)
+    # A structure no eager call has come with yet in this order and output kind: an
+    # array program compiles now.
+    pair = (order_spec, sparse)
+    first = pair not in analysis.keyed and _array_program(prep.traced)
     try:
         key, rules = _compiled_key(prep, plan, order_spec, sparse, False)
         hash(key)
@@ -1136,7 +1141,7 @@ def _run_compiled(prep: _Prepared, order_spec, as_tuple: bool, sparse: bool):
             return None
         _remember(_SIGHTINGS, key, seen + 1, _MAX_SIGHTINGS)
         if seen == 0:
-            analysis.keyed += 1
+            analysis.keyed.add(pair)
         if seen + 1 < _COMPILE_AT and not first:
             return None
         entry = _compile(prep, plan, order_spec, sparse)

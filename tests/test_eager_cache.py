@@ -467,3 +467,26 @@ def test_array_program_with_custom_rules_compiles_on_its_first_call():
     assert _compiled() == 1
     assert tree_allclose(jac(model, x), want)
     assert _compiled() == 1
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_each_order_compiles_on_its_first_call(sparse):
+    # Trying several orders on one function: each order's first eager call compiles,
+    # rather than running operation by operation; a repeat call reuses it.
+    x = jnp.linspace(0.1, 1.0, 6)
+    want = jax.jacfwd(_array_program)(x)
+    orders = ["fwd", "rev", "markowitz"]
+    for i, order in enumerate(orders):
+        jac = gx.jacve(_array_program, order=order, sparse_representation=sparse)
+        got = jac(x)
+        assert tree_allclose(got.todense() if sparse else got, want)
+        assert _compiled() == i + 1
+    for order in orders:
+        jac = gx.jacve(_array_program, order=order, sparse_representation=sparse)
+        got = jac(2 * x)
+        want2 = jax.jacfwd(_array_program)(2 * x)
+        assert tree_allclose(got.todense() if sparse else got, want2)
+    assert _compiled() == len(orders)
+    # The other output kind is a first call of its own.
+    gx.jacve(_array_program, order="fwd", sparse_representation=not sparse)(x)
+    assert _compiled() == len(orders) + 1
