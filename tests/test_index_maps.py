@@ -1868,3 +1868,24 @@ def test_sums_that_separate_ties_stay_coordinates(fun, order):
         cost.num_adds,
     )
     _assert_close(jax.jit(graphax_eqx.jacve(fun, order=order))(x), expected)
+
+
+@pytest.mark.parametrize("order", _ORDERS)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_update_of_a_gathered_copy_with_its_own_slice(order, sparse):
+    # XLA's CPU backend (jaxlib 0.10.2) miscompiles `jax.jit(f)` here (x = [1, 2, 3]
+    # gives [1, -1, 1, -1, 1, -1] instead of [1, -1, -2, -1, -3, -3]), so the
+    # reference is eager `jax.jacfwd`; jacve agrees eagerly, on repeat eager calls
+    # (which run compiled) and under `jit`.
+    index = np.array([0, 1, 0, 2, 2, 2])
+
+    def f(v):
+        g = v[index]
+        return lax.dynamic_update_slice(g, -g[:5], (1,))
+
+    x = jnp.array([1.0, 2.0, 3.0])
+    want = reference_jacobians(f, (x,), refs=("fwd",), jit=False)["fwd"]
+    jac = graphax_eqx.jacve(f, order=order, sparse_representation=sparse)
+    for got in (jac(x), jac(x), jax.jit(jac)(x)):
+        got = got.todense() if sparse else got
+        assert_tree_matches(got, want)
