@@ -166,7 +166,7 @@ class _Analysis:
     callbacks: bool | None = None  # whether the program calls back to Python
     on_arrays: bool | None = None  # whether any operation is on arrays, not scalars
     # (order, sparse) pairs that eager calls have come with, for this structure
-    keyed: set = dataclasses.field(default_factory=set)
+    keyed: set[tuple[Any, bool]] = dataclasses.field(default_factory=set)
 
 
 _ANALYSES: OrderedDict[Any, _Analysis] = OrderedDict()
