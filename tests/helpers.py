@@ -25,18 +25,20 @@ _TOLERANCES = {
 }
 
 
+def _to_host(x: Any) -> Any:
+    return np.asarray(x) if isinstance(x, jax.Array) else x
+
+
 def tree_allclose(a: Any, b: Any, rtol: float = 0.0, atol: float = 0.0) -> bool:
     """Whether two pytrees have equal structure, shapes and dtypes, and values within
     `rtol`/`atol`.
 
-    `eqx.tree_equal` returns a Python bool when structures or dtypes differ and a
-    0-d JAX array otherwise; this always gives a Python bool.
+    Always gives a Python bool.
     """
-    result = eqx.tree_equal(a, b, rtol=rtol, atol=atol)
-    if isinstance(result, bool):
-        return result
-    assert isinstance(result, jax.Array) and result.shape == ()
-    return bool(result)
+    # Compared on the host in NumPy: comparing with JAX would compile a program per
+    # shape and dtype, a large share of the suite's time.
+    a, b = jtu.tree_map(_to_host, (a, b))
+    return bool(eqx.tree_equal(a, b, rtol=rtol, atol=atol))
 
 
 def tolerances(dtype: Any) -> tuple[float, float]:
@@ -75,12 +77,12 @@ def assert_tree_matches(
             assert type(a) is type(e) and bool(np.all(a == e)), f"{where}: {a} != {e}"
             continue
         assert isinstance(a, jax.Array), f"{where}: got {type(a).__name__}, not Array"
-        e = jnp.asarray(e)
+        a, e = np.asarray(a), np.asarray(e)
         assert a.shape == e.shape, f"{where}: shape {a.shape} != {e.shape}"
         if check_dtype:
             assert a.dtype == e.dtype, f"{where}: dtype {a.dtype} != {e.dtype}"
         if not jnp.issubdtype(e.dtype, jnp.inexact):
-            assert bool(jnp.all(a == e)), f"{where}: values differ\n{a}\n!=\n{e}"
+            assert bool(np.all(a == e)), f"{where}: values differ\n{a}\n!=\n{e}"
             continue
         low = max((a.dtype, e.dtype), key=lambda d: float(jnp.finfo(d).eps))
         default_rtol, default_atol = tolerances(low)
@@ -94,7 +96,7 @@ def assert_tree_matches(
             raise AssertionError(
                 f"{where}: values differ (max abs diff {np.nanmax(diff, initial=0.0)},"
                 f" rtol={leaf_rtol}, atol={leaf_atol * scale})\n"
-                f"got:\n{np.asarray(a)}\nexpected:\n{np.asarray(e)}"
+                f"got:\n{a}\nexpected:\n{e}"
             )
 
 

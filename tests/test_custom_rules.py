@@ -657,7 +657,9 @@ def test_safe_rules_have_no_nan():
 _SHARDED_SCRIPT = textwrap.dedent(
     """
     import json, os, traceback
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    # Eight host devices, added to the flags the suite compiles with (conftest.py).
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -723,7 +725,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
 def sharded_report():
     # A fresh process: the host device count must be set before JAX starts.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)  # the suite's XLA_FLAGS (tests/conftest.py) included
     env["JAX_PLATFORMS"] = "cpu"  # the eight devices are host devices
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(

@@ -18,7 +18,9 @@ import textwrap
 _SCRIPT = textwrap.dedent(
     """
     import os, sys, traceback
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    # Eight host devices, added to the flags the suite compiles with (conftest.py).
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -328,9 +330,7 @@ def test_sharded_inputs():
     # single-threaded compilation and dispatch). Output goes to files: a full pipe
     # would stall the process not being read.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = os.environ.get("XLA_FLAGS", "")  # the suite's (tests/conftest.py)
-    flags += " --xla_force_host_platform_device_count=8"
-    env = {**os.environ, "XLA_FLAGS": flags.strip()}
+    env = dict(os.environ)  # the suite's XLA_FLAGS (tests/conftest.py) included
     env["JAX_PLATFORMS"] = "cpu"  # the eight devices are host devices
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     runs = {}
