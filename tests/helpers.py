@@ -226,6 +226,52 @@ def random_order(
     return [int(v) for v in rng.permutation(np.asarray(graph.intermediates, int))]
 
 
+def _shapes_graph_alike(args: Sequence[Any], argnums: int | Sequence[int]) -> bool:
+    """Whether `make_graph` builds the graph `jacve` eliminates: arguments that are
+    not differentiated may shape it (indices), known to `jacve` but abstract to
+    `make_graph`."""
+    differentiated = {argnums} if isinstance(argnums, int) else set(argnums)
+    return differentiated == set(range(len(args)))
+
+
+def repeated_order(
+    fun: Callable,
+    args: Sequence[Any],
+    order: str,
+    others: Sequence[str],
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> str | None:
+    """The first of the named `others` that `order` eliminates in the same vertex
+    sequence as, if any (`auto` always repeats one of the named orders): running
+    that elimination again tests nothing new. `jacve` resolves orders with the same
+    function as `Graph.counts`; `None` where its graph may differ."""
+    if not _shapes_graph_alike(args, argnums):
+        return None
+    graph = graph_of(fun, args, argnums=argnums, has_aux=has_aux)
+    ids = graph.counts(order)["order"]
+    for other in others:
+        if graph.counts(other)["order"] == ids:
+            return other
+    return None
+
+
+def distinct_orders(
+    fun: Callable, args: Sequence[Any], orders: Sequence[str]
+) -> list[str]:
+    """`orders` less each that eliminates in the same vertex sequence as one before
+    it (see `repeated_order`), for a function of its arguments."""
+    graph = graph_of(fun, args, argnums=tuple(range(len(args))))
+    seen, kept = set(), []
+    for order in orders:
+        ids = tuple(graph.counts(order)["order"])
+        if ids not in seen:
+            seen.add(ids)
+            kept.append(order)
+    return kept
+
+
 def resolve_order(
     order: str,
     fun: Callable,

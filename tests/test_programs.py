@@ -20,13 +20,12 @@ import numpy as np
 import pytest
 from jax import lax
 
-import graphax_eqx
-
 from .helpers import (
     ORDERS,
     check_jacve,
     doubled_sin,
     reference_jacobians,
+    repeated_order,
     tolerances,
 )
 
@@ -1125,30 +1124,18 @@ _MAY_REPEAT = {
 }
 
 
-def _same_order_as(program: Program, args: tuple, order: str) -> str | None:
-    """The named order (a case of its own) that `order` eliminates in the same vertex
-    sequence as, if any: on most of these small programs the heuristics agree, and
-    running that elimination again tests nothing new. `jacve` resolves orders with
-    the same function as `Graph.counts`, on the same graph unless arguments that are
-    not differentiated shape it (their values are known to `jacve` but abstract to
-    `make_graph`): programs with such arguments run every order."""
-    argnums = program.argnums
-    differentiated = {argnums} if isinstance(argnums, int) else set(argnums)
-    if order not in _MAY_REPEAT or differentiated != set(range(len(args))):
-        return None
-    graph = graphax_eqx.make_graph(
-        program.fun, argnums=program.argnums, has_aux=program.has_aux
-    )(*args)
-    ids = graph.counts(order)["order"]
-    for other in _MAY_REPEAT[order]:
-        if graph.counts(other)["order"] == ids:
-            return other
-    return None
-
-
 def _run(program: Program, dtype: Any, order: str) -> None:
     args = program.args(dtype)
-    same = _same_order_as(program, args, order)
+    same = None
+    if order in _MAY_REPEAT:
+        same = repeated_order(
+            program.fun,
+            args,
+            order,
+            _MAY_REPEAT[order],
+            argnums=program.argnums,
+            has_aux=program.has_aux,
+        )
     if same is not None:
         pytest.skip(f"{order!r} eliminates in the same order as {same!r} here")
     rtol = atol = None
