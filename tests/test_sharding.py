@@ -11,8 +11,9 @@ under `jit` the partitioner places results of both.
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
+
+import pytest
 
 
 _SCRIPT = textwrap.dedent(
@@ -325,34 +326,24 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def test_sharded_inputs():
-    # Both mesh kinds at once, each in its own process (the checks are mostly
-    # single-threaded compilation and dispatch). Output goes to files: a full pipe
-    # would stall the process not being read.
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_sharded_inputs(kind):
+    # Each mesh kind in its own process, so that pytest-xdist can run the two side
+    # by side (the checks are mostly single-threaded compilation and dispatch).
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)  # the suite's XLA_FLAGS (tests/conftest.py) included
     env["JAX_PLATFORMS"] = "cpu"  # the eight devices are host devices
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    runs = {}
-    for kind in ("explicit", "auto"):
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _SCRIPT, kind],
-            stdout=out,
-            stderr=err,
-            text=True,
-            cwd=root,
-            env=env,
-        )
-        runs[kind] = (proc, out, err)
-    failures = []
-    for kind, (proc, out, err) in runs.items():
-        proc.wait(timeout=300)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-        assert proc.returncode == 0, (kind, stderr[-4000:])
-        lines = stdout.splitlines()
-        assert any(line.startswith("CHECKED ") for line in lines), stdout[-2000:]
-        failures += [f"{kind}: {line}" for line in lines if line.startswith("FAIL ")]
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, kind],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("CHECKED ") for line in lines), proc.stdout[-2000:]
+    failures = [line for line in lines if line.startswith("FAIL ")]
     assert not failures, "\n".join(failures)
