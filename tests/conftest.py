@@ -12,7 +12,7 @@ import tempfile
 # - on the CPU, with XLA's older elemental emitters instead of its MLIR fusion
 #   emitters (compilation takes about half the time, a third less for the suite).
 # A flag already named in XLA_FLAGS is left as it is, so that
-#   XLA_FLAGS="--xla_backend_optimization_level=2 --xla_cpu_use_fusion_emitters=true"
+#   XLA_FLAGS="--xla_backend_optimization_level=3 --xla_cpu_use_fusion_emitters=true"
 # runs the suite as XLA compiles by default. XLA aborts on a flag it does not know,
 # so the emitter flag is first tried in a subprocess (once: the pytest-xdist workers
 # inherit the environment of the main process).
