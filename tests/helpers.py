@@ -1,5 +1,8 @@
 """Shared comparison utilities for the test suite."""
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +16,34 @@ import graphax_eqx
 
 
 ORDERS = ("fwd", "rev", "markowitz", "auto", "random")
+
+
+def run_on_host_devices(
+    script: str, *args: str, devices: int = 8, timeout: float = 600
+) -> str:
+    """Run `script` (`python -c`) in a fresh process with `devices` CPU devices and
+    return its standard output; fails the test if the process fails.
+
+    The host device count must be set before JAX starts, hence the process. It gets
+    the suite's XLA_FLAGS (tests/conftest.py) plus the device count, and imports
+    `graphax_eqx` and `tests` from this checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "")
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
 
 # (rtol, atol) per dtype. `atol` is multiplied by the largest magnitude in the
 # reference leaf, so that cancellation in large Jacobian entries is not reported as

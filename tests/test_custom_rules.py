@@ -7,9 +7,6 @@ diagonal partial; every other rule falls back to the exact dense local Jacobian.
 
 import functools
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import equinox as eqx
@@ -27,6 +24,7 @@ from .helpers import (
     check_jacve,
     doubled_sin,
     reference_jacobians,
+    run_on_host_devices,
 )
 
 
@@ -656,10 +654,7 @@ def test_safe_rules_have_no_nan():
 
 _SHARDED_SCRIPT = textwrap.dedent(
     """
-    import json, os, traceback
-    # Eight host devices, added to the flags the suite compiles with (conftest.py).
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
+    import json, traceback
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -723,21 +718,9 @@ _SHARDED_SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def sharded_report():
-    # A fresh process: the host device count must be set before JAX starts.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)  # the suite's XLA_FLAGS (tests/conftest.py) included
-    env["JAX_PLATFORMS"] = "cpu"  # the eight devices are host devices
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SHARDED_SCRIPT],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (line,) = [l for l in proc.stdout.splitlines() if l.startswith("REPORT")]
+    # Eight host devices, in a fresh process.
+    stdout = run_on_host_devices(_SHARDED_SCRIPT, timeout=300)
+    (line,) = [l for l in stdout.splitlines() if l.startswith("REPORT")]
     return json.loads(line[len("REPORT") :])
 
 

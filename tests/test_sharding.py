@@ -8,20 +8,16 @@ types (`jax.typeof`, which carry shardings on Explicit axes), and the concrete
 under `jit` the partitioner places results of both.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from .helpers import run_on_host_devices
+
 
 _SCRIPT = textwrap.dedent(
     """
-    import os, sys, traceback
-    # Eight host devices, added to the flags the suite compiles with (conftest.py).
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
+    import sys, traceback
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -328,22 +324,9 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 def test_sharded_inputs(kind):
-    # Each mesh kind in its own process, so that pytest-xdist can run the two side
-    # by side (the checks are mostly single-threaded compilation and dispatch).
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)  # the suite's XLA_FLAGS (tests/conftest.py) included
-    env["JAX_PLATFORMS"] = "cpu"  # the eight devices are host devices
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, kind],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stdout.splitlines()
-    assert any(line.startswith("CHECKED ") for line in lines), proc.stdout[-2000:]
+    # Each mesh kind in a fresh process of its own, so that pytest-xdist can run the
+    # two side by side (the checks are mostly single-threaded compilation).
+    lines = run_on_host_devices(_SCRIPT, kind).splitlines()
+    assert any(line.startswith("CHECKED ") for line in lines), lines[-20:]
     failures = [line for line in lines if line.startswith("FAIL ")]
     assert not failures, "\n".join(failures)
