@@ -10,7 +10,7 @@ import tempfile
 # the same way in the same process, so the suite compiles for speed of compilation:
 # - without LLVM's optimisations (about a fifth faster);
 # - on the CPU, with XLA's older elemental emitters instead of its MLIR fusion
-#   emitters (compilation takes about half the time, a third less for the suite).
+#   emitters (compilation takes about half the time; the suite 30% less).
 # A flag already named in XLA_FLAGS is left as it is, so that
 #   XLA_FLAGS="--xla_backend_optimization_level=3 --xla_cpu_use_fusion_emitters=true"
 # runs the suite as XLA compiles by default. XLA aborts on a flag it does not know,
