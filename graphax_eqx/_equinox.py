@@ -143,8 +143,9 @@ def _differentiate(
         diff_sizes.append(len(leaves))
         args_list[i] = nondiff
     # Arrays that are not differentiated (integer arrays, data, arrays in kwargs) go
-    # to the engine as an explicit second argument rather than being closed over, so
-    # the engine sees ordinary inputs whether or not we are under `jit` or `vmap`.
+    # to the engine as its second argument, which it does not differentiate: like
+    # `jax.jacrev`, it passes them to `fun` as they are (concrete eagerly, so Python
+    # may branch on them; traced under `jit` or `vmap`).
     dynamic, static = eqx.partition((args_list, kwargs), eqx.is_array)
     dynamic_leaves, dynamic_treedef = jtu.tree_flatten(dynamic)
     # Complex leaves (inexact arrays, so differentiated as Equinox does) enter the

@@ -282,6 +282,14 @@ _LEAVES_SIGNATURE = inspect.Signature(
 )
 
 
+# What Python raises when it needs the value of a traced array.
+_NEEDS_A_VALUE = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
 def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
     """Trace `fun` on `leaves` (every one differentiated), keeping their dtypes, weak
     types and shardings; `rebuild(leaves)` gives `fun`'s positional and keyword
@@ -332,7 +340,16 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
     named_after(flat_fun, fun)
     # The differentiated leaves are then named `leaves[i]` (`jax.tree.leaves` order).
     flat_fun.__signature__ = _LEAVES_SIGNATURE  # pyright: ignore[reportFunctionMemberAccess]
-    closed = jax.make_jaxpr(flat_fun)(*leaves)
+    try:
+        closed = jax.make_jaxpr(flat_fun)(*leaves)
+    except _NEEDS_A_VALUE:
+        # Eager `jax.jacrev` computes what does not depend on the differentiated
+        # arguments as it goes, so Python may read such values (`if y > 0`,
+        # `float(n * 2)`); a jaxpr trace stages them. Trace again, computing every
+        # operation that has no traced operand on the spot. Under `jit` the other
+        # arguments are traced and the error is JAX's own again.
+        with jax.ensure_compile_time_eval():
+            closed = jax.make_jaxpr(flat_fun)(*leaves)
     program = inline(closed)
     return _Traced(
         program,

@@ -526,6 +526,42 @@ def test_eager_calls_read_closed_over_values_afresh():
         assert tree_allclose(gx.eqx_jacve(loss)(model), ref_grads)
 
 
+class _Gated(eqx.Module):
+    linear: eqx.nn.Linear
+    step: jax.Array  # an integer leaf: not differentiated
+
+    def __call__(self, x):
+        return self.linear(x) if self.step > 0 else -self.linear(x)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_eager_python_reads_values_not_differentiated(order):
+    """Eagerly, `eqx.filter_jacrev` leaves the arguments and leaves it does not
+    differentiate concrete, so Python may branch on values computed from them."""
+    linear = eqx.nn.Linear(3, 2, key=jax.random.PRNGKey(0))
+    x = jnp.arange(3.0, dtype=F32)
+    cases = [
+        (lambda m, x, y: m(x) * (2.0 if y > 0 else 1.0), (linear, x, jnp.array(-1.0))),
+        (lambda m, x: m(x), (_Gated(linear, jnp.array(1)), x)),
+        (lambda m, x, y: m(x) * float(y * 2), (linear, x, jnp.array(1.5))),
+    ]
+    for fun, args in cases:
+        assert tree_allclose(
+            gx.filter_jacve(fun, order=order)(*args), eqx.filter_jacrev(fun)(*args)
+        )
+        assert tree_allclose(
+            gx.eqx_jacve(fun, order=order)(*args), eqx.filter_jacrev(fun)(*args)
+        )
+
+        def loss(*a, fun=fun):
+            return jnp.sum(fun(*a))
+
+        assert tree_allclose(
+            gx.filter_value_and_jacve(loss, order=order)(*args),
+            eqx.filter_value_and_grad(loss)(*args),
+        )
+
+
 def test_eager_calls_with_static_arguments():
     """A changed static argument (and its type) gives the new Jacobian."""
     model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.PRNGKey(0))

@@ -48,6 +48,33 @@ def test_python_scalar_argument(order):
     assert float(result) == pytest.approx(np.cos(0.5) * 0.5 + np.sin(0.5))
 
 
+# Python reading values computed from arguments that are not differentiated: eager
+# `jax.jacrev` computes them on the spot, so they are concrete there.
+_READS_A_VALUE = {
+    "if": lambda x, y: jnp.sin(x) * (2.0 if y > 0 else -1.0),
+    "float": lambda x, y: jnp.sin(x) * float(y * 2),
+    "range": lambda x, y: sum(jnp.sin(x) * k for k in range(int(abs(y)) + 1)),
+    "numpy": lambda x, y: jnp.sin(x) * np.asarray(jnp.abs(y)),
+}
+
+
+@pytest.mark.parametrize(
+    "order", ["fwd", "rev", "markowitz", "relative_markowitz", "min_fill", "auto"]
+)
+@pytest.mark.parametrize("name", list(_READS_A_VALUE))
+def test_python_reads_arguments_not_differentiated(name, order):
+    fun = _READS_A_VALUE[name]
+    x = jnp.array([0.1, -0.4, 0.7])
+    for y in (jnp.array(2.0), jnp.array(-1.0)):
+        want = jax.jacrev(fun)(x, y)
+        got = graphax_eqx.jacve(fun, order=order)(x, y)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    # Under `jit` the argument is traced, and the error is JAX's own.
+    if name == "if":
+        with pytest.raises(jax.errors.TracerBoolConversionError):
+            jax.jit(graphax_eqx.jacve(fun, order=order))(x, y)
+
+
 @pytest.mark.parametrize("order", ORDERS)
 def test_numpy_argument(order):
     x = np.array([0.2, -0.3, 0.9])
