@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import _jax_private as jp
 from .._sparse import from_labeled
 from ._base import per_slice_blocks, register, shape_of
 
@@ -43,9 +44,17 @@ def _chooser_rule(prim):
         in_shape = shape_of(x)
         axes = tuple(a % x.ndim for a in params["axes"])
         kept = [i for i in range(x.ndim) if i not in axes]
-        expanded = lax.broadcast_in_dim(out, in_shape, kept)
+        # The entries are compared with a maximum taken from the same stored copy of
+        # them. XLA may compute `x` anew inside each kernel that reads it, rounded
+        # differently in each (a fused multiply-add in one, not in the other), and
+        # then no entry would equal a maximum taken apart: the derivative came out
+        # NaN, or went to an entry far from the maximum. XLA CPU removes
+        # optimisation barriers before it fuses; `compute_once` keeps it from
+        # recomputing `x` there, and the barrier does elsewhere.
+        stored = lax.optimization_barrier(jp.compute_once(x))
+        expanded = lax.broadcast_in_dim(prim.bind(stored, **params), in_shape, kept)
         # Ties share the derivative equally, as JAX's own rule does.
-        mask = (x == expanded).astype(x.dtype)
+        mask = (stored == expanded).astype(x.dtype)
         count = jnp.sum(mask, axis=axes, keepdims=True)
         # Where no entry equals the result (a NaN among them), JAX's rule divides 0
         # by 0. XLA rewrites `mask / count` as a select of `1 / count`, which would
