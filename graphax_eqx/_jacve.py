@@ -1355,7 +1355,9 @@ def jacve(
     - `count_ops`: if `True`, the result becomes `(result, counts)`, with `counts` a
         dict of Python ints: `"num_muls"`, `"num_adds"`, `"order"` (vertex ids in
         elimination order) and `"order_counts"` (multiplications per eliminated
-        vertex).
+        vertex). Returned from a `jax.jit`-compiled function, they become integer
+        arrays, as every output of `jit` does; `graphax_eqx.elimination_cost`
+        gives the same counts without running anything.
     - `sparse_representation`: if `True`, Jacobian leaves keep their structure
         instead of being dense arrays: `graphax_eqx.SparseTensor`s (diagonals,
         ties, broadcasts) or, where slices, pads, rolls, gathers, scatter-adds or
