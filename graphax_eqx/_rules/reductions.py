@@ -38,9 +38,8 @@ def _reduce_sum(primals, active, **params):
 def _chooser_rule(prim):
     def rule(primals, active, **params):
         (x,) = primals
-        out = prim.bind(x, **params)
         if not active[0]:
-            return [out], {}
+            return [prim.bind(x, **params)], {}
         in_shape = shape_of(x)
         axes = tuple(a % x.ndim for a in params["axes"])
         kept = [i for i in range(x.ndim) if i not in axes]
@@ -52,7 +51,8 @@ def _chooser_rule(prim):
         # optimisation barriers before it fuses; `compute_once` keeps it from
         # recomputing `x` there, and the barrier does elsewhere.
         stored = lax.optimization_barrier(jp.compute_once(x))
-        expanded = lax.broadcast_in_dim(prim.bind(stored, **params), in_shape, kept)
+        out = prim.bind(stored, **params)
+        expanded = lax.broadcast_in_dim(out, in_shape, kept)
         # Ties share the derivative equally, as JAX's own rule does.
         mask = (stored == expanded).astype(x.dtype)
         count = jnp.sum(mask, axis=axes, keepdims=True)
