@@ -351,3 +351,57 @@ def test_maximum_of_values_computed_in_several_kernels(which, order, dtype):
         want = jax.jacfwd(f)(d)
         for got in (jac(d), jitted(d)):
             assert_tree_matches(got, want)
+
+
+# --------------------------------------------------------------------------------------
+# Generic reductions whose initial value is an array built inside the function.
+# --------------------------------------------------------------------------------------
+
+_GENERIC_REDUCTIONS = {
+    "reduce_max": lambda x, i: lax.reduce(x, i(-jnp.inf), lax.max, (1,)),
+    "reduce_min": lambda x, i: lax.reduce(x, i(jnp.inf), lax.min, (0,)),
+    "reduce_add": lambda x, i: lax.reduce(x, i(0.0), lax.add, (0,)),
+    "window_max": lambda x, i: lax.reduce_window(
+        x, i(-jnp.inf), lax.max, (2, 2), (1, 2), "SAME"
+    ),
+    "window_min": lambda x, i: lax.reduce_window(
+        x, i(jnp.inf), lax.min, (1, 3), (1, 1), ((0, 0), (1, 1))
+    ),
+    "window_add": lambda x, i: lax.reduce_window(
+        x, i(0.0), lax.add, (2, 2), (2, 1), "VALID"
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("name", sorted(_GENERIC_REDUCTIONS))
+def test_generic_reductions_with_array_initial_values(name, dtype):
+    """`lax.reduce(x, jnp.array(-inf), lax.max, ...)` stages the generic reduction
+    (its initial value is not known where JAX picks the primitive), which eager JAX
+    runs as `reduce_max`. Where entries tie, the two share the derivative
+    differently, and eager JAX's is the monoid's: the first maximum of a window, an
+    equal share of a reduction's maxima. The Jacobian is the monoid's, and keeps
+    its structure (not a dense fallback)."""
+    reduction = _GENERIC_REDUCTIONS[name]
+
+    def f(x):  # the initial value is an array: the generic primitive
+        return jnp.sin(reduction(x * x, lambda v: jnp.array(v, x.dtype)))
+
+    def g(x):  # a Python number: the monoid's primitive
+        return jnp.sin(reduction(x * x, lambda v: v))
+
+    generic = jax.make_jaxpr(f)(jnp.ones((4, 6), dtype)).eqns
+    assert any(e.primitive in (lax.reduce_p, lax.reduce_window_p) for e in generic)
+    # Ties in every row, column and window (squares of ±1, ±2), and none.
+    tied = jnp.asarray(np.tile([1.0, -1.0, 2.0, -2.0, 1.0, 2.0], (4, 1)), dtype)
+    tied = tied.at[1:3].multiply(-1.0)
+    rng = np.random.default_rng(3)
+    for x in (tied, jnp.asarray(rng.normal(size=(4, 6)), dtype)):
+        want = jax.jacrev(g)(x)
+        for order in ("fwd", "rev", "auto"):
+            jac = graphax_eqx.jacve(f, order=order)
+            assert_tree_matches(jac(x), want)
+            assert_tree_matches(jax.jit(jac)(x), want)
+    sparse = graphax_eqx.jacve(f, order="rev", sparse_representation=True)(tied)
+    monoid = graphax_eqx.jacve(g, order="rev", sparse_representation=True)(tied)
+    assert sparse.nse == monoid.nse

@@ -7,10 +7,14 @@ partial, and the equation's params. It returns the primal outputs and a dict
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jaxtyping import Array
 
 from .._sparse import Partial, from_labeled
@@ -42,6 +46,77 @@ def register_zero(*primitives) -> None:
     for prim in primitives:
         if prim is not None:
             zero_derivative.add(prim)
+
+
+# The operations a generic reduction's body may be, as the `lax` functions that JAX
+# recognises as monoids when it picks a reduction primitive.
+_MONOID_OPS = {lax.max_p: lax.max, lax.min_p: lax.min, lax.add_p: lax.add}
+
+
+def as_monoid(primals, active, params, reduce: Callable) -> Any:
+    """The equation `(primitive, params)` that JAX binds for a generic reduction of
+    one operand (`lax.reduce_p`, `lax.reduce_window_p`) whose body is one `max`,
+    `min` or `add` of its two arguments and whose initial value is known now and is
+    that operation's identity; else `None`.
+
+    `lax.reduce(x, init, lax.max, ...)` binds `reduce_max` when `init` is a concrete
+    `-inf`, but the generic primitive when `init` is an array built inside the
+    traced function: `make_jaxpr` stages it, so its value is not known where JAX
+    chooses. The two differentiate differently where entries tie (JAX's rule for
+    `reduce_max` shares the derivative equally, the generic one splits it pair by
+    pair in XLA's order; `reduce_window_max` gives it to the first maximum, the
+    generic one cannot be linearised at all), and eager JAX, whose initial values
+    are concrete, takes the monoid's. `reduce(x, init, op)` makes the reduction with
+    the equation's own window or axes: it is traced with the initial value's
+    concrete value, and JAX's own test picks the primitive."""
+    body = params["jaxpr"]
+    jaxpr = getattr(body, "jaxpr", body)
+    if (
+        len(primals) != 2
+        or any(active[1:])
+        or params.get("consts")
+        or getattr(body, "consts", None)
+        or jaxpr.constvars
+        or len(jaxpr.eqns) != 1
+        or len(jaxpr.invars) != 2
+    ):
+        return None
+    (eqn,) = jaxpr.eqns
+    op = _MONOID_OPS.get(eqn.primitive)
+    if (
+        op is None
+        or set(eqn.invars) != set(jaxpr.invars)
+        or list(jaxpr.outvars) != list(eqn.outvars)
+    ):
+        return None
+    x, init = primals
+    try:
+        init = np.asarray(init)
+    except (TypeError, jax.errors.ConcretizationTypeError):  # traced: not known now
+        return None
+    spec = jax.ShapeDtypeStruct(shape_of(x), jnp.result_type(x))
+    found = jax.make_jaxpr(lambda v: reduce(v, init, op))(spec).jaxpr.eqns
+    if len(found) != 1 or found[0].primitive in (lax.reduce_p, lax.reduce_window_p):
+        return None
+    return found[0].primitive, found[0].params
+
+
+def as_monoid_rule(prim, reduce: Callable) -> Rule:
+    """The rule of a generic reduction `prim`: that of the monoid reduction JAX binds
+    for it where `as_monoid` finds one, else the exact fallback."""
+
+    def rule(primals, active, **params):
+        from .fallback import fallback_rule  # builds on this module
+
+        found = as_monoid(primals, active, params, functools.partial(reduce, params))
+        if found is None:
+            return fallback_rule(prim, primals, active, params)
+        monoid, monoid_params = found
+        if monoid not in rules:
+            return fallback_rule(monoid, primals[:1], active[:1], monoid_params)
+        return rules[monoid](primals[:1], active[:1], **monoid_params)
+
+    return rule
 
 
 def is_float(x) -> bool:

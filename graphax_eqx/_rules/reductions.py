@@ -13,7 +13,7 @@ from jax import lax
 
 from .. import _jax_private as jp
 from .._sparse import from_labeled
-from ._base import per_slice_blocks, register, shape_of
+from ._base import as_monoid_rule, per_slice_blocks, register, shape_of
 
 
 def _reduce_labels(in_shape, axes):
@@ -71,6 +71,15 @@ def _chooser_rule(prim):
 
 register(lax.reduce_max_p)(_chooser_rule(lax.reduce_max_p))
 register(lax.reduce_min_p)(_chooser_rule(lax.reduce_min_p))
+
+
+# `lax.reduce` with an array initial value, which `make_jaxpr` stages.
+register(lax.reduce_p)(
+    as_monoid_rule(
+        lax.reduce_p,
+        lambda params, v, i, op: lax.reduce(v, i, op, params["dimensions"]),
+    )
+)
 
 
 @register(lax.reduce_prod_p)

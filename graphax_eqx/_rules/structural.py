@@ -31,7 +31,7 @@ from .._indexed import (
     from_entries,
 )
 from .._sparse import diagonal, from_labeled, linear_map
-from ._base import is_float, per_slice_blocks, register, shape_of
+from ._base import as_monoid_rule, is_float, per_slice_blocks, register, shape_of
 from .fallback import fallback_rule
 
 
@@ -876,3 +876,20 @@ def _window_chooser_rule(prim, sign):
 
 register(lax.reduce_window_max_p)(_window_chooser_rule(lax.reduce_window_max_p, 1))
 register(lax.reduce_window_min_p)(_window_chooser_rule(lax.reduce_window_min_p, -1))
+
+
+def _reduce_window(params, v, init, op):
+    return lax.reduce_window(
+        v,
+        init,
+        op,
+        params["window_dimensions"],
+        params["window_strides"],
+        params["padding"],
+        params["base_dilation"],
+        params["window_dilation"],
+    )
+
+
+# `lax.reduce_window` with an array initial value, which `make_jaxpr` stages.
+register(lax.reduce_window_p)(as_monoid_rule(lax.reduce_window_p, _reduce_window))
