@@ -1115,9 +1115,11 @@ def _references(name: str, dtype_name: str) -> dict[str, Any]:
 
 
 # The named orders each of `order` may repeat the vertex sequence of. Each of these is
-# a case of its own, and a heuristic that repeats one of fwd, rev and Markowitz is
-# skipped in favour of it, so `auto` (which picks one of the five) always repeats one.
+# a case of its own, and a heuristic that repeats one of them is skipped in favour of
+# it (Markowitz order is forward or reverse order on most of these small graphs), so
+# `auto` (which picks one of the five) always repeats one.
 _MAY_REPEAT = {
+    "markowitz": ("fwd", "rev"),
     "relative_markowitz": ("fwd", "rev", "markowitz"),
     "min_fill": ("fwd", "rev", "markowitz"),
     "auto": ("fwd", "rev", "markowitz", "relative_markowitz", "min_fill"),
