@@ -36,7 +36,7 @@ from ._graph import (
     shaping_vars,
 )
 from ._indexed import CooPattern, CooTensor, restore_exact, sums_as_gathers
-from ._orders import normalise_order, resolve
+from ._orders import graph_fingerprint, normalise_order, resolve
 from ._sparse import LinearMap, SparseTensor, to_sparse
 
 
@@ -433,7 +433,12 @@ def _eliminate(prep: _Prepared, order_spec, known: frozenset[int] = frozenset())
     order = None if key is None else orders.get(key)
     if order is None:
         sim_graph = graph.copy_with(sim_edge)
-        order = resolve(order_spec, sim_graph, structure)
+        order = resolve(
+            order_spec,
+            sim_graph,
+            structure,
+            abstract_fingerprint=functools.partial(_abstract_fingerprint, prep),
+        )
         if key is not None:
             _remember(orders, key, order, _MAX_ORDERS)
     with sums_as_gathers():
@@ -450,6 +455,24 @@ def _eliminate(prep: _Prepared, order_spec, known: frozenset[int] = frozenset())
 
 
 _MAX_ORDERS = 16
+
+
+def _abstract_fingerprint(prep: _Prepared) -> str:
+    """The fingerprint of `prep`'s graph built abstractly, as `search_order` builds
+    it. An eager call whose differentiated inputs shape the graph (indices from an
+    `argsort` of them) reads those index maps by value, so its own graph's patterns
+    differ from the searched one's."""
+    traced = prep.traced
+    captured = {}
+
+    def abstract(*leaves):
+        _, graph, _ = evaluate(traced.program, traced.structure, list(leaves))
+        sim_graph = graph.copy_with(sim_edge)
+        captured["fingerprint"] = graph_fingerprint(sim_graph, traced.structure)
+        return 0
+
+    jax.eval_shape(abstract, *prep.leaves)
+    return captured["fingerprint"]
 
 
 def _orders_key(prep: _Prepared, order_spec):
@@ -1556,6 +1579,8 @@ def make_graph(
     order = list(reversed(graph.intermediates))
     ```
     """
+    if not callable(fun):
+        raise TypeError(f"`make_graph` expects a callable, got {type(fun).__name__}.")
     argnums_t, _ = _normalise_argnums(argnums, "make_graph")
 
     def build(*args, **kwargs) -> Graph:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import _jax_private as jp
@@ -80,13 +81,17 @@ def _pattern_digest(pattern) -> str:
 
 
 def graph_fingerprint(sim_graph: EdgeGraph, structure) -> str:
-    """A digest of the graph's vertices, primitives, edges and partial patterns.
+    """A digest of the graph's vertices (with their shapes and dtypes), primitives,
+    edges and partial patterns.
 
     Equal for equal programs in any process (no Python `hash`, which is salted).
     """
     h = hashlib.sha256()
     h.update(repr((structure.inputs, structure.intermediates)).encode())
     h.update(repr(tuple(o for o in structure.outputs if o is not None)).encode())
+    for v in sorted(structure.shape_of):
+        dtype = structure.dtype_of.get(v)
+        h.update(f"{v}:{structure.shape_of[v]}:{jnp.dtype(dtype).name};".encode())
     for v in structure.intermediates:
         h.update(f"{v}:{structure.primitive_of.get(v)}".encode())
     for u in sorted(sim_graph.succ):
@@ -363,19 +368,30 @@ _HEURISTIC_STEPS: dict[str, Callable[[Simulator], Iterator[Step]]] = {
 
 
 def resolve(
-    name_or_ids, sim_graph: EdgeGraph, structure, api: str = "jacve"
+    name_or_ids,
+    sim_graph: EdgeGraph,
+    structure,
+    api: str = "jacve",
+    abstract_fingerprint: Callable[[], str] | None = None,
 ) -> list[int]:
     """The explicit vertex order for an order argument (`api` names the function in
-    error messages)."""
+    error messages). `abstract_fingerprint` gives the fingerprint of the graph built
+    abstractly, as `search_order` builds it, where `sim_graph` was built from
+    values of the differentiated inputs (indices from an `argsort`, read by value
+    in an eager call): an `Order` made for either graph is accepted."""
     inter = list(structure.intermediates)
     if isinstance(name_or_ids, Order):
         found = graph_fingerprint(sim_graph, structure)
-        if found != name_or_ids.fingerprint:
+        if found != name_or_ids.fingerprint and (
+            abstract_fingerprint is None
+            or abstract_fingerprint() != name_or_ids.fingerprint
+        ):
             raise ValueError(
                 f"`{api}` got an order made for a different computational graph "
                 f"(the order's fingerprint is {name_or_ids.fingerprint[:12]}, this "
                 f"function's graph has {found[:12]}). The function, its argument "
-                "shapes, or `argnums` changed since the order was searched, or values "
+                "shapes or dtypes, or `argnums` changed since the order was searched, "
+                "or values "
                 "that shape the graph (indices computed from an integer argument) "
                 "were constants then and are traced now, under `jax.jit`, or the "
                 "other way round. Search again on the function as you call it, or "

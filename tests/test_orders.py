@@ -353,6 +353,9 @@ def test_time_objective_and_measure():
     assert found.measured is not None and "searched" in found.measured
     assert found.measured[min(found.measured, key=found.measured.__getitem__)] > 0
     assert found.machine is not None and found.machine["jax"] == jax.__version__
+    # The order returned is the fastest one timed, and the result says which.
+    assert found.chosen == min(found.measured, key=found.measured.__getitem__)
+    assert f"{found.chosen:<14}" in str(found) and "(returned)" in str(found)
     jac = gx.jacve(_small, order=found.order)(x)
     assert_tree_matches(jac, jax.jacfwd(_small)(x))
 
@@ -418,6 +421,9 @@ def test_loaded_order_on_another_graph_is_refused(tmp_path):
         gx.jacve(changed, order=loaded)(x)
     with pytest.raises(ValueError, match="different computational graph"):
         gx.jacve(_small, order=loaded)(jnp.array([0.3, -0.2, 0.5, 1.0]))
+    # Another dtype is another program (its run time, for one).
+    with pytest.raises(ValueError, match="shapes or dtypes"):
+        gx.jacve(_small, order=loaded)(x.astype(jnp.float32))
     # The plain ids skip the check (and are still validated).
     jac = gx.jacve(changed, order=tuple(loaded))(x)
     assert_tree_matches(jac, jax.jacfwd(changed)(x))
@@ -426,6 +432,9 @@ def test_loaded_order_on_another_graph_is_refused(tmp_path):
 def test_load_order_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("not json")
+    with pytest.raises(ValueError, match="not a saved order"):
+        gx.load_order(bad)
+    bad.write_bytes(b"\xff\xfe\x00 not text")
     with pytest.raises(ValueError, match="not a saved order"):
         gx.load_order(bad)
     other = tmp_path / "other.json"
@@ -468,11 +477,53 @@ def test_fingerprint_is_stable_across_traces():
         (dict(measure=True), "measure=True"),
         (dict(budget_s=-1.0), "budget_s"),
         (dict(max_evals=0), "max_evals"),
+        (dict(max_evals=True), "max_evals"),
+        (dict(budget_s=True), "budget_s"),
+        (dict(budget_s=float("nan")), "budget_s"),
     ],
 )
 def test_search_order_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         gx.search_order(_small, **kwargs)
+
+
+def test_search_order_takes_numpy_numbers():
+    x = jnp.array([0.3, -0.2, 0.5])
+    a = gx.search_order(_small, max_evals=np.int64(30), progress=False)(x)
+    b = gx.search_order(_small, max_evals=30, budget_s=np.float32(60), progress=False)(
+        x
+    )
+    assert a.order == b.order and a.evaluations == b.evaluations
+
+
+@pytest.mark.parametrize("api", ["search_order", "elimination_cost", "make_graph"])
+def test_order_tools_need_a_callable(api):
+    with pytest.raises(TypeError, match=f"`{api}` expects a callable, got str"):
+        getattr(gx, api)("not a function")
+
+
+def _sorted_gather(x):
+    y = jnp.sin(x) * x[0]
+    return jnp.cos(y[jnp.argsort(x)]) * y
+
+
+def test_searched_order_where_the_input_shapes_the_graph(tmp_path):
+    # An eager call reads indices computed from the differentiated input as fixed
+    # index maps, and so builds other patterns than the search (which builds the
+    # graph as `jit` does): the order is accepted either way, for any input.
+    x = jnp.array([0.3, -0.2, 0.5, 0.1])
+    found = gx.search_order(_sorted_gather, max_evals=40, progress=False)(x)
+    path = tmp_path / "sorted.json"
+    found.save(path)
+    loaded = gx.load_order(path)
+    for point in (x, jnp.array([0.1, 0.7, -0.5, 0.2])):
+        want = jax.jacrev(_sorted_gather)(point)
+        for order in (found.order, loaded):
+            assert_tree_matches(gx.jacve(_sorted_gather, order=order)(point), want)
+            jitted = jax.jit(gx.jacve(_sorted_gather, order=order))
+            assert_tree_matches(jitted(point), want)
+    with pytest.raises(ValueError, match="different computational graph"):
+        gx.jacve(lambda v: _sorted_gather(v) * v, order=loaded)(x)
 
 
 def test_named_heuristics_accept_any_case():
