@@ -8,7 +8,7 @@ import pytest
 
 import graphax_eqx
 
-from .helpers import assert_tree_matches, is_sparse_block
+from .helpers import assert_tree_matches, is_sparse_block, repeated_order
 
 
 def _f(x):
@@ -139,6 +139,10 @@ def test_sparse_results_under_vmap(fun, shape, depth, order):
     # vmap adds leading axes to a structured result's values; `.dense()` and
     # `.to_bcoo()` return them, as `jax.vmap(jax.jacfwd(f))` does.
     xs = jax.random.uniform(jax.random.key(0), shape, minval=0.1, maxval=0.9)
+    if order == "min_fill":
+        same = repeated_order(fun, (xs[(0,) * depth],), order, ("fwd", "rev"))
+        if same is not None:
+            pytest.skip(f"{order!r} eliminates in the same order as {same!r} here")
     ref = jax.jacfwd(fun)
     jac = graphax_eqx.jacve(fun, order, sparse_representation=True)
     for _ in range(depth):
