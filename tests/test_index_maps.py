@@ -553,10 +553,10 @@ def _window_max_array_init(x):
 @pytest.mark.parametrize("op", [_window_sum_array_init, _window_max_array_init])
 def test_generic_reduce_window(op, order):
     # An initial value that is an array, not a Python number, is traced as the
-    # generic `reduce_window`. It has no rule of its own, and its batching rule
-    # batches the primal result along with the tangents, so neither `jax.jacfwd` nor
-    # `jax.jacrev` differentiates it under `jit`; eagerly JAX reads the initial value
-    # and takes the windowed sum or maximum instead, which is the reference here.
+    # generic `reduce_window`. Neither `jax.jacfwd` nor `jax.jacrev` differentiates
+    # it under `jit`; eagerly JAX reads the initial value and takes the windowed sum
+    # or maximum instead, which is the reference here, and so does `jacve` (see
+    # `test_generic_reductions_with_array_initial_values` for ties).
     fun = _smooth(op)
     (x,) = _args(_X2)
     expected = jax.jacfwd(fun)(on_host(x))
