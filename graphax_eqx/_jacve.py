@@ -462,17 +462,23 @@ def _abstract_fingerprint(prep: _Prepared) -> str:
     it. An eager call whose differentiated inputs shape the graph (indices from an
     `argsort` of them) reads those index maps by value, so its own graph's patterns
     differ from the searched one's."""
+    graph, _ = _abstract_evaluation(prep)
+    return graph_fingerprint(graph.copy_with(sim_edge), prep.traced.structure)
+
+
+def _abstract_evaluation(prep: _Prepared) -> tuple[EdgeGraph, int]:
+    """`prep`'s graph of partials built abstractly (its partials hold abstract
+    values: read only their static parts) and the additions made building it."""
     traced = prep.traced
     captured = {}
 
     def abstract(*leaves):
-        _, graph, _ = evaluate(traced.program, traced.structure, list(leaves))
-        sim_graph = graph.copy_with(sim_edge)
-        captured["fingerprint"] = graph_fingerprint(sim_graph, traced.structure)
+        _, graph, adds = evaluate(traced.program, traced.structure, list(leaves))
+        captured.update(graph=graph, adds=int(adds))
         return 0
 
     jax.eval_shape(abstract, *prep.leaves)
-    return captured["fingerprint"]
+    return captured["graph"], captured["adds"]
 
 
 def _orders_key(prep: _Prepared, order_spec):
@@ -1537,16 +1543,8 @@ def abstract_graph(
     their static parts) and the additions made while building it.
     """
     prep = _prepare(fun, args, kwargs, argnums, has_aux, name)
-    traced = prep.traced
-    captured = {}
-
-    def abstract(*leaves):
-        _, graph, adds = evaluate(traced.program, traced.structure, list(leaves))
-        captured.update(graph=graph, adds=int(adds))
-        return 0
-
-    jax.eval_shape(abstract, *prep.leaves)
-    return traced.structure, captured["graph"], captured["adds"]
+    graph, adds = _abstract_evaluation(prep)
+    return prep.traced.structure, graph, adds
 
 
 def make_graph(
