@@ -35,10 +35,12 @@ from ._sparse import (
     Pattern,
     SparseTensor,
     _cast,
+    _dense_ops,
     _dtype_str,
     _transpose,
     batched_bcoo,
     batched_dense,
+    eager_compiled,
     full_mask,
     make_pattern,
     vmapped_axes,
@@ -212,10 +214,14 @@ class CooTensor(BlockShape, eqx.Module):
     def dense(self) -> Array:
         """The Jacobian as a dense array of shape `out_shape + in_shape` (with the
         leading axes `jax.vmap` added, if any)."""
+        return eager_compiled(_dense_ops, self)
+
+    def dense_ops(self) -> Array:
+        """`dense`, as the operations that compute it (not compiled apart)."""
         batch = vmapped_axes(self.val, self.pattern.val_shape)
         if batch:
             return batched_dense(self, batch)
-        return to_labeled(self).dense()
+        return to_labeled(self).dense_ops()
 
     def todense(self) -> Array:
         """Alias of `graphax_eqx.CooTensor.dense`."""
@@ -243,7 +249,7 @@ class CooTensor(BlockShape, eqx.Module):
             index[:, :, axis] = out_c[k][None, :]
         for k, axis in enumerate(p.in_free):
             index[:, :, nout + axis] = in_c[k][None, :]
-        data = _full_val(self, p)
+        data = eager_compiled(_coo_data, self)
         index = index.reshape(ntie * p.nnz, len(p.shape)).astype(
             _index_dtype(max(p.shape, default=1))
         )
@@ -265,6 +271,10 @@ class CooTensor(BlockShape, eqx.Module):
             f"CooTensor({_dtype_str(self.dtype)}[{shape.strip()}], ties=({ties}), "
             f"nnz={p.nnz} of {p.n_out_free}x{p.n_in_free} free, {val})"
         )
+
+
+def _coo_data(ct: CooTensor) -> Array:
+    return _full_val(ct, ct.pattern)
 
 
 def _full_val(ct: CooTensor, p: CooPattern) -> Array:

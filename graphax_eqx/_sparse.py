@@ -241,10 +241,31 @@ SPREAD = 8
 
 def batched_dense(block, batch: int) -> Array:
     """`block.dense()` of a result vmapped over `batch` leading axes."""
-    fn = type(block).dense
+    fn = type(block).dense_ops
     for _ in range(batch):
         fn = jax.vmap(fn)
     return fn(block)
+
+
+def eager_compiled(fn: Callable, block) -> Any:
+    """`fn(block)`, as one compiled program where the block's arrays are known now
+    (an eager result). Run operation by operation, the writes that make a dense array
+    or a BCOO's entries from a structured block compile one small program each, which
+    took seconds on a first call. Under a trace, the operations join the traced
+    program instead. `fn` is a module-level function (the compiled programs are
+    cached per function and block structure)."""
+    if all(jp.is_concrete(leaf) for leaf in jax.tree.leaves(block)):
+        return _compiled_call(fn, block)
+    return fn(block)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _compiled_call(fn: Callable, block) -> Any:
+    return fn(block)
+
+
+def _dense_ops(block) -> Array:
+    return block.dense_ops()
 
 
 def batched_bcoo(block, batch: int) -> jsparse.BCOO:
@@ -301,6 +322,10 @@ class SparseTensor(BlockShape, eqx.Module):
     def dense(self) -> Array:
         """The Jacobian as a dense array of shape `out_shape + in_shape` (with the
         leading axes `jax.vmap` added, if any)."""
+        return eager_compiled(_dense_ops, self)
+
+    def dense_ops(self) -> Array:
+        """`dense`, as the operations that compute it (not compiled apart)."""
         p = self.pattern
         batch = vmapped_axes(self.val, p.val_shape)
         if batch:
@@ -340,11 +365,16 @@ class SparseTensor(BlockShape, eqx.Module):
             indices = np.stack([grids[label] for label in p.labels], axis=-1)
         else:  # a scalar block: one entry, no coordinates
             indices = np.zeros((1, 0), np.int32)
-        data = _broadcast_val(self, tuple(range(p.num_labels))).reshape(-1)
+        data = eager_compiled(_bcoo_data, self)
         return jsparse.BCOO((data, jnp.asarray(indices)), shape=p.shape)
 
     def __repr__(self) -> str:
         return _pattern_repr(self.pattern, self.dtype, _scalar_text(self.val))
+
+
+def _bcoo_data(st: SparseTensor) -> Array:
+    """The entries `SparseTensor.to_bcoo` stores, in its order."""
+    return _broadcast_val(st, tuple(range(st.pattern.num_labels))).reshape(-1)
 
 
 def _scalar_text(val) -> str | None:
