@@ -142,12 +142,12 @@ def _differentiate(
         diff_treedefs.append(treedef)
         diff_sizes.append(len(leaves))
         args_list[i] = nondiff
-    # Arrays that are not differentiated (integer arrays, data, arrays in kwargs) go
-    # to the engine as its second argument, which it does not differentiate: like
-    # `jax.jacrev`, it passes them to `fun` as they are (concrete eagerly, so Python
-    # may branch on them; traced under `jit` or `vmap`).
-    dynamic, static = eqx.partition((args_list, kwargs), eqx.is_array)
-    dynamic_leaves, dynamic_treedef = jtu.tree_flatten(dynamic)
+    # Everything else reaches `fun` as it was passed, as in `equinox.filter_jacrev`:
+    # the other arguments and the keyword arguments are not taken apart and rebuilt
+    # (their classes may check what they are built from, and `fun` may keep or
+    # update them in place), and arrays among them are closed over (concrete eagerly,
+    # so Python may branch on them; traced under `jit` or `vmap`).
+
     # Complex leaves (inexact arrays, so differentiated as Equinox does) enter the
     # engine as their real and imaginary parts; their Jacobian blocks are combined
     # as `jax.vjp` gives them: `d/d(real) - 1j d/d(imag)`.
@@ -166,18 +166,15 @@ def _differentiate(
     # structures only known once `fun` has run.
     traced: dict[str, Any] = {}
 
-    def flat_fun(flat_diff, flat_dynamic):
+    def flat_fun(flat_diff):
         flat_diff = _join_complex(flat_diff, complex_at)
-        call_args, call_kwargs = eqx.combine(
-            jtu.tree_unflatten(dynamic_treedef, flat_dynamic), static
-        )
-        call_args = list(call_args)
+        call_args = list(args_list)
         start = 0
         for i, treedef, size in zip(nums, diff_treedefs, diff_sizes, strict=True):
             diff = jtu.tree_unflatten(treedef, flat_diff[start : start + size])
             call_args[i] = eqx.combine(diff, call_args[i])
             start += size
-        out = fun(*call_args, **call_kwargs)
+        out = fun(*call_args, **kwargs)
         if not has_aux:
             out_leaves, traced["out"] = jtu.tree_flatten(out)
             return out_leaves
@@ -203,15 +200,15 @@ def _differentiate(
     if not diff_leaves:
         # Nothing to differentiate (e.g. a model holding only integer arrays): every
         # Jacobian is the `None`-holed structure of the argument, no elimination runs.
-        result = flat_fun(engine_leaves, dynamic_leaves)
+        result = flat_fun(engine_leaves)
         out_leaves, aux_leaves = result if has_aux else (result, None)
         rows = [[] for _ in out_leaves]
         counts = {"num_muls": 0, "num_adds": 0, "order": [], "order_counts": []}
     elif with_value:
-        value, rows = engine(engine_leaves, dynamic_leaves)
+        value, rows = engine(engine_leaves)
         out_leaves, aux_leaves = value if has_aux else (value, None)
     else:
-        result = engine(engine_leaves, dynamic_leaves)
+        result = engine(engine_leaves)
         if count_ops:
             result, counts = result
         rows, aux_leaves = result if has_aux else (result, None)
@@ -324,9 +321,9 @@ def filter_jacve(
 @overload
 def filter_jacve(
     fun: Callable[_P, Any],
+    has_aux: bool = False,
     *,
     order: Order = "auto",
-    has_aux: bool = False,
     count_ops: bool = False,
     sparse_representation: bool = False,
 ) -> Callable[_P, Any]: ...
@@ -335,9 +332,9 @@ def filter_jacve(
 @_refuses_argnums("filter_jacve")
 def filter_jacve(
     fun: Callable | None = None,
+    has_aux: bool = False,
     *,
     order: Order = "auto",
-    has_aux: bool = False,
     count_ops: bool = False,
     sparse_representation: bool = False,
 ) -> Callable:
@@ -366,12 +363,13 @@ def filter_jacve(
 
     - `fun`: the function to differentiate. Its output must be a PyTree of arrays.
         If it is omitted, the result is a decorator that takes `fun`.
+    - `has_aux`: if `True`, `fun` returns a pair `(output, aux)`; only `output` is
+        differentiated and `aux` is handed back unchanged. `aux` may be any Python
+        object, not only arrays. It may be passed by position, as to
+        `equinox.filter_jacrev`.
     - `order`: the vertex elimination order: `"fwd"`, `"rev"`, `"markowitz"`,
         `"auto"` (the cheapest of the three, the default), or an explicit sequence of
         vertex ids. The order changes the cost, never the result (up to rounding).
-    - `has_aux`: if `True`, `fun` returns a pair `(output, aux)`; only `output` is
-        differentiated and `aux` is handed back unchanged. `aux` may be any Python
-        object, not only arrays.
     - `count_ops`: if `True`, also return the operation counts of the elimination.
     - `sparse_representation`: if `True`, the Jacobian leaves are
         `graphax_eqx.SparseTensor`s or `graphax_eqx.CooTensor`s that keep
@@ -424,6 +422,14 @@ def filter_jacve(
 
         return decorator
     _check_callable(fun, "filter_jacve")
+    if not isinstance(has_aux, bool):
+        # `equinox.filter_jacrev(fun, has_aux)` takes it by position too; anything
+        # else there (an order) belongs in a keyword.
+        raise TypeError(
+            "`filter_jacve`'s second argument is `has_aux`, a bool; got "
+            f"{has_aux!r}. Pass the other options by keyword, e.g. "
+            "`filter_jacve(fun, order='fwd')`."
+        )
     wrapper = _JacveWrapper(
         fun,
         "filter_jacve",

@@ -1,3 +1,4 @@
+import dataclasses
 from collections.abc import Callable
 
 import equinox as eqx
@@ -220,6 +221,90 @@ def test_other_arguments_may_be_anything():
     grads = gx.filter_jacve(f)(model, Opaque(), x, **kwargs)
     expected = eqx.filter_grad(f)(model, Opaque(), x, **kwargs)
     assert tree_allclose(grads, expected)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Batch:
+    """Data that checks what it is built from, as a user's batch class may."""
+
+    x: jax.Array
+
+    def __post_init__(self):
+        if jnp.ndim(self.x) != 1:
+            raise ValueError("a batch holds a vector")
+
+
+def test_other_arguments_reach_fun_untouched():
+    # As in `eqx.filter_jacrev`, arguments not differentiated are neither taken apart
+    # nor rebuilt: a class that checks its fields works, containers are the caller's
+    # own (updates in place reach them), as positional and as keyword arguments.
+    model, (x,), fn = _mlp()
+    seen = []
+
+    def f(m, batch, log, *, extra):
+        seen.append((log, extra))
+        log["called"] = True
+        return fn(m, batch.x) + extra.x[:2]
+
+    batch, extra = _Batch(x), _Batch(jnp.ones(3, F32))
+    expected = eqx.filter_jacrev(f)(model, batch, {}, extra=extra)
+    apis = {
+        "filter_jacve": gx.filter_jacve(f),
+        "eqx_jacve": gx.eqx_jacve(f),
+        "filter_value_and_jacve": lambda *a, **k: gx.filter_value_and_jacve(
+            lambda *a, **k: jnp.sum(f(*a, **k))
+        )(*a, **k)[1],
+    }
+    for name, jac in apis.items():
+        log = {}
+        seen.clear()
+        got = jac(model, batch, log, extra=extra)
+        assert log == {"called": True}, name
+        assert all(l is log and e is extra for l, e in seen), name
+        if name == "filter_value_and_jacve":
+            want = eqx.filter_grad(lambda *a, **k: jnp.sum(f(*a, **k)))(
+                model, batch, {}, extra=extra
+            )
+        else:
+            want = expected
+        assert tree_allclose(got, want), name
+    # Under `eqx.filter_jit` too (which itself hands `fun` rebuilt containers).
+    got = eqx.filter_jit(gx.filter_jacve(f))(model, batch, {}, extra=extra)
+    assert tree_allclose(got, expected)
+
+
+def test_has_aux_by_position():
+    model, (x,), fn = _mlp()
+
+    def f(m, x):
+        return fn(m, x), "aux"
+
+    jac, aux = gx.filter_jacve(f, True)(model, x)
+    want, want_aux = eqx.filter_jacrev(f, True)(model, x)
+    assert aux == want_aux == "aux"
+    assert tree_allclose(jac, want)
+    with pytest.raises(TypeError, match="second argument is `has_aux`.*by keyword"):
+        gx.filter_jacve(fn, "fwd")  # pyright: ignore[reportArgumentType]
+
+
+def test_old_state_is_refused_as_equinox_refuses_it():
+    # An `eqx.nn.State` passed through untouched is marked used by the layer that
+    # reads it, so passing the same state again raises Equinox's own error.
+    x = jnp.ones(3)
+
+    def f(m, x, state):
+        out, state = m(x, state)
+        return out, state
+
+    for transform in (eqx.filter_jacrev, gx.filter_jacve):
+        model, state = eqx.nn.make_with_state(eqx.nn.SpectralNorm)(
+            eqx.nn.Linear(3, 3, key=jr.PRNGKey(0)), "weight", key=jr.PRNGKey(1)
+        )
+        jac = transform(f, has_aux=True)
+        jac(model, x, state)
+        with pytest.raises(ValueError, match="old state"):
+            jac(model, x, state)
 
 
 class _Token:
