@@ -14,6 +14,7 @@ from typing import Any, Literal, ParamSpec, TypeVar, cast, overload
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax import lax
 from jaxtyping import PyTree
 
@@ -422,7 +423,7 @@ def filter_jacve(
 
         return decorator
     _check_callable(fun, "filter_jacve")
-    if not isinstance(has_aux, bool):
+    if not isinstance(has_aux, bool | np.bool_):
         # `equinox.filter_jacrev(fun, has_aux)` takes it by position too; anything
         # else there (an order) belongs in a keyword.
         raise TypeError(

@@ -35,7 +35,7 @@ from ._sparse import (
     Pattern,
     SparseTensor,
     _cast,
-    _dense_ops,
+    _dense_of,
     _dtype_str,
     _transpose,
     batched_bcoo,
@@ -214,14 +214,14 @@ class CooTensor(BlockShape, eqx.Module):
     def dense(self) -> Array:
         """The Jacobian as a dense array of shape `out_shape + in_shape` (with the
         leading axes `jax.vmap` added, if any)."""
-        return eager_compiled(_dense_ops, self)
+        return eager_compiled(_dense_of, self)
 
-    def dense_ops(self) -> Array:
+    def _dense_ops(self) -> Array:
         """`dense`, as the operations that compute it (not compiled apart)."""
         batch = vmapped_axes(self.val, self.pattern.val_shape)
         if batch:
             return batched_dense(self, batch)
-        return to_labeled(self).dense_ops()
+        return to_labeled(self)._dense_ops()
 
     def todense(self) -> Array:
         """Alias of `graphax_eqx.CooTensor.dense`."""

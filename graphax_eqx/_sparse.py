@@ -241,7 +241,7 @@ SPREAD = 8
 
 def batched_dense(block, batch: int) -> Array:
     """`block.dense()` of a result vmapped over `batch` leading axes."""
-    fn = type(block).dense_ops
+    fn = type(block)._dense_ops
     for _ in range(batch):
         fn = jax.vmap(fn)
     return fn(block)
@@ -264,8 +264,8 @@ def _compiled_call(fn: Callable, block) -> Any:
     return fn(block)
 
 
-def _dense_ops(block) -> Array:
-    return block.dense_ops()
+def _dense_of(block) -> Array:
+    return block._dense_ops()
 
 
 def batched_bcoo(block, batch: int) -> jsparse.BCOO:
@@ -322,9 +322,9 @@ class SparseTensor(BlockShape, eqx.Module):
     def dense(self) -> Array:
         """The Jacobian as a dense array of shape `out_shape + in_shape` (with the
         leading axes `jax.vmap` added, if any)."""
-        return eager_compiled(_dense_ops, self)
+        return eager_compiled(_dense_of, self)
 
-    def dense_ops(self) -> Array:
+    def _dense_ops(self) -> Array:
         """`dense`, as the operations that compute it (not compiled apart)."""
         p = self.pattern
         batch = vmapped_axes(self.val, p.val_shape)
