@@ -35,7 +35,6 @@ from ._sparse import (
     Pattern,
     SparseTensor,
     _cast,
-    _dense_of,
     _dtype_str,
     _transpose,
     batched_bcoo,
@@ -214,7 +213,7 @@ class CooTensor(BlockShape, eqx.Module):
     def dense(self) -> Array:
         """The Jacobian as a dense array of shape `out_shape + in_shape` (with the
         leading axes `jax.vmap` added, if any)."""
-        return eager_compiled(_dense_of, self)
+        return eager_compiled(type(self)._dense_ops, self)
 
     def _dense_ops(self) -> Array:
         """`dense`, as the operations that compute it (not compiled apart)."""

@@ -252,7 +252,7 @@ def eager_compiled(fn: Callable, block) -> Any:
     (an eager result). Run operation by operation, the writes that make a dense array
     or a BCOO's entries from a structured block compile one small program each, which
     took seconds on a first call. Under a trace, the operations join the traced
-    program instead. `fn` is a module-level function (the compiled programs are
+    program instead. `fn` is defined once, in a module or a class (the programs are
     cached per function and block structure)."""
     if all(jp.is_concrete(leaf) for leaf in jax.tree.leaves(block)):
         return _compiled_call(fn, block)
@@ -262,10 +262,6 @@ def eager_compiled(fn: Callable, block) -> Any:
 @functools.partial(jax.jit, static_argnums=0)
 def _compiled_call(fn: Callable, block) -> Any:
     return fn(block)
-
-
-def _dense_of(block) -> Array:
-    return block._dense_ops()
 
 
 def batched_bcoo(block, batch: int) -> jsparse.BCOO:
@@ -322,7 +318,7 @@ class SparseTensor(BlockShape, eqx.Module):
     def dense(self) -> Array:
         """The Jacobian as a dense array of shape `out_shape + in_shape` (with the
         leading axes `jax.vmap` added, if any)."""
-        return eager_compiled(_dense_of, self)
+        return eager_compiled(type(self)._dense_ops, self)
 
     def _dense_ops(self) -> Array:
         """`dense`, as the operations that compute it (not compiled apart)."""
