@@ -282,14 +282,6 @@ _LEAVES_SIGNATURE = inspect.Signature(
 )
 
 
-# What Python raises when it needs the value of a traced array.
-_NEEDS_A_VALUE = (
-    jax.errors.ConcretizationTypeError,
-    jax.errors.TracerIntegerConversionError,
-    jax.errors.TracerArrayConversionError,
-)
-
-
 def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
     """Trace `fun` on `leaves` (every one differentiated), keeping their dtypes, weak
     types and shardings; `rebuild(leaves)` gives `fun`'s positional and keyword
@@ -298,7 +290,11 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
 
     def flat_fun(*flat):
         args, kwargs = rebuild(flat)
-        res = fun(*args, **kwargs)
+        if eager:
+            with jp.eager_constants():
+                res = fun(*args, **kwargs)
+        else:
+            res = fun(*args, **kwargs)
         if has_aux:
             if not (isinstance(res, (tuple, list)) and len(res) == 2):
                 raise TypeError(
@@ -340,16 +336,14 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
     named_after(flat_fun, fun)
     # The differentiated leaves are then named `leaves[i]` (`jax.tree.leaves` order).
     flat_fun.__signature__ = _LEAVES_SIGNATURE  # pyright: ignore[reportFunctionMemberAccess]
-    try:
-        closed = jax.make_jaxpr(flat_fun)(*leaves)
-    except _NEEDS_A_VALUE:
-        # Eager `jax.jacrev` computes what does not depend on the differentiated
-        # arguments as it goes, so Python may read such values (`if y > 0`,
-        # `float(n * 2)`); a jaxpr trace stages them. Trace again, computing every
-        # operation that has no traced operand on the spot. Under `jit` the other
-        # arguments are traced and the error is JAX's own again.
-        with jax.ensure_compile_time_eval():
-            closed = jax.make_jaxpr(flat_fun)(*leaves)
+    # Eager `jax.jacrev` computes what does not depend on the differentiated
+    # arguments as it goes, so Python may read such values (`if y > 0`, `float(n *
+    # 2)`), and `fun` runs once. Outside `jit` (eagerly, under `vmap`), `fun` is
+    # traced that way: in `fun` itself, while the bodies of the `jit`, `cond`...
+    # nested in it are staged, as eagerly. Under `jit` such values are staged, as
+    # JAX stages them, and Python reading one raises JAX's own error.
+    eager = not jp.staging()
+    closed = jax.make_jaxpr(flat_fun)(*leaves)
     program = inline(closed)
     return _Traced(
         program,
@@ -851,8 +845,11 @@ _MAX_COMPILED = 64
 _MAX_SIGHTINGS = 256
 _COMPILE_AT = 2  # the call with a key that compiles
 # Values keyed by value (literals, consts in params, values shaping the graph) up to
-# this many bytes per call; beyond, the call runs eagerly.
-_MAX_KEY_BYTES = 1 << 20
+# this many bytes per call; beyond, the call runs eagerly. An eager trace computes
+# index arrays built in `fun` (`jnp.arange(n)`) as eager JAX does, so they are keyed
+# too: hashing 64 MB takes about 50 ms, running such a program one operation at a
+# time far longer.
+_MAX_KEY_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -915,10 +912,11 @@ def _value_bytes(x) -> tuple[np.ndarray, bytes]:
         raise _Unkeyable from None
     if a.dtype == object:
         raise _Unkeyable
-    data = a.tobytes()
-    if len(data) > 64:
-        data = hashlib.blake2b(data, digest_size=32).digest()
-    return a, data
+    if a.nbytes <= 64:
+        return a, a.tobytes()
+    # SHA-256 runs in hardware on most CPUs: 3x BLAKE2b here.
+    data = np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
+    return a, hashlib.sha256(data).digest()
 
 
 class _ValueKey:

@@ -19,7 +19,9 @@ import jax.extend.core as jex_core
 import jax.extend.linear_util as jex_lu
 from jax import lax
 from jax._src import core as _core, mesh as _mesh_lib, sharding_impls as _sharding_impls
+from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
+from jax._src.state.types import AbstractRef as _AbstractRef
 from jax.core import Tracer as Tracer
 from jax.extend.core import primitives as jex_prims
 from jax.interpreters import ad as _ad, batching as _batching, mlir as _mlir
@@ -762,3 +764,110 @@ _mlir.register_lowering(compute_once_p, _compute_once_cpu, platform="cpu")
 def compute_once(x):
     """`x`, computed once by XLA CPU rather than inside each kernel that reads it."""
     return compute_once_p.bind(x)
+
+
+# Eager constants. Eager JAX computes every operation none of whose operands is
+# traced as it goes, so Python may read such values (`if flag > 0` with a closed-over
+# array); a jaxpr trace stages them. `jax.ensure_compile_time_eval()` computes them,
+# but in every trace nested in it too: the bodies of `jit`, `cond` and `scan` then run
+# their constant operations while they are traced, the untaken branch of a `cond`
+# included (an `eqx.error_if` raises whatever its predicate). This trace hands them
+# to the trace it runs under, as JAX's JVP trace hands on what has no tangent (so
+# eagerly they are computed, under `vmap` they meet its named axes), in the traced
+# function only, and stages the nested bodies as usual. Operations with effects
+# (ordered prints and callbacks) and on mutable references stay staged, in program
+# order with the rest. Mirrors `JVPTrace.process_primitive` (JAX 0.10.2).
+
+
+def _handed_on(primitive, tracers, params) -> bool:
+    if any(isinstance(x, Tracer) for x in tracers):
+        return False
+    if getattr(primitive, "ref_primitive", False):
+        return False
+    avals = [_core.typeof(x) for x in tracers]
+    if any(isinstance(a, _AbstractRef) for a in avals):
+        return False
+    try:
+        _, effects = primitive.abstract_eval(*avals, **params)
+    except Exception:  # computed as JAX computes it
+        return True
+    return not effects
+
+
+class _EagerConstantsTrace(_pe.DynamicJaxprTrace):
+    __slots__ = ()
+
+    @property
+    def _outer(self):
+        parent = self.parent_trace
+        return _core.eval_trace if parent is None else parent
+
+    def stage_value(self, val):
+        if isinstance(val, Tracer):
+            return super().stage_value(val)
+        return self._outer.stage_value(val)
+
+    def process_primitive(self, primitive, tracers, params, /):
+        if not _handed_on(primitive, tracers, params):
+            return super().process_primitive(primitive, tracers, params)
+        avals = tuple(_core.typeof(x) for x in tracers)
+        return primitive.bind_with_trace(self._outer, tracers, avals, params)
+
+    def process_custom_jvp_call(self, prim, fun, jvp, tracers, /, *, symbolic_zeros):
+        if self.requires_low or any(isinstance(x, Tracer) for x in tracers):
+            return super().process_custom_jvp_call(
+                prim, fun, jvp, tracers, symbolic_zeros=symbolic_zeros
+            )
+        avals = tuple(_core.typeof(x) for x in tracers)
+        params = dict(subfuns=(fun, jvp), symbolic_zeros=symbolic_zeros)
+        return prim.bind_with_trace(self._outer, tuple(tracers), avals, params)
+
+    def process_custom_vjp_call(
+        self, prim, fun, fwd, bwd, tracers, /, *, out_trees, symbolic_zeros
+    ):
+        if self.requires_low or any(isinstance(x, Tracer) for x in tracers):
+            return super().process_custom_vjp_call(
+                prim,
+                fun,
+                fwd,
+                bwd,
+                tracers,
+                out_trees=out_trees,
+                symbolic_zeros=symbolic_zeros,
+            )
+        avals = tuple(_core.typeof(x) for x in tracers)
+        params = dict(
+            subfuns=(fun, fwd, bwd), out_trees=out_trees, symbolic_zeros=symbolic_zeros
+        )
+        return prim.bind_with_trace(self._outer, tuple(tracers), avals, params)
+
+
+def staging() -> bool:
+    """Whether a trace that stages operations into a jaxpr (`jit`, `make_jaxpr`, the
+    body of a loop) is running now, under any others (`vmap`, `jvp`, an eager
+    `jacve`'s own trace), which compute what does not depend on their inputs on the
+    spot."""
+    trace = _core.trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, _pe.DynamicJaxprTrace) and not isinstance(
+            trace, _EagerConstantsTrace
+        ):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+@contextlib.contextmanager
+def eager_constants():
+    """Within a `jax.make_jaxpr` trace (its traced function calls this), compute
+    operations with no traced operand on the spot, as eager JAX does, in the traced
+    function only (see `_EagerConstantsTrace`)."""
+    trace = _core.trace_ctx.trace
+    if type(trace) is not _pe.DynamicJaxprTrace:  # pragma: no cover
+        yield
+        return
+    trace.__class__ = _EagerConstantsTrace
+    try:
+        yield
+    finally:
+        trace.__class__ = _pe.DynamicJaxprTrace

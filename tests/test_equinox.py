@@ -647,6 +647,32 @@ def test_eager_python_reads_values_not_differentiated(order):
         )
 
 
+def test_keys_drawn_inside_fun_as_equinox_draws_them():
+    # A key drawn from an iterator inside `fun` is drawn once per call, as by
+    # `eqx.filter_jacrev`, also where Python reads a value computed from constants
+    # (which a staged trace cannot give): the same dropout mask, the same Jacobian.
+    dropout = eqx.nn.Dropout(0.5)
+    x = jnp.linspace(0.1, 1.6, 16, dtype=F32)
+
+    def make_fun():
+        keys = iter(jr.split(jr.PRNGKey(0), 4))
+
+        def fun(x):
+            y = dropout(jnp.sin(x), key=next(keys))
+            repeats = int(jnp.sum(jnp.ones(2)))
+            return y * repeats
+
+        return fun
+
+    want = eqx.filter_jacrev(make_fun())(x)
+    for transform in (gx.filter_jacve, gx.eqx_jacve):
+        got = transform(make_fun())(x)
+        assert _tree_allclose(got, want), transform.__name__
+    value, got = gx.filter_value_and_jacve(make_fun())(x)
+    assert _tree_allclose(got, want)
+    assert _tree_allclose(value, make_fun()(x))
+
+
 def test_eager_calls_with_static_arguments():
     """A changed static argument (and its type) gives the new Jacobian."""
     model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.PRNGKey(0))

@@ -1,5 +1,6 @@
 """The public interface of `jacve`, `value_and_jacve` and `make_graph`."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +74,96 @@ def test_python_reads_arguments_not_differentiated(name, order):
     if name == "if":
         with pytest.raises(jax.errors.TracerBoolConversionError):
             jax.jit(graphax_eqx.jacve(fun, order=order))(x, y)
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "auto"])
+def test_eager_calls_run_fun_once(order):
+    # Eager `jax.jacrev` runs `fun`'s Python once per call, also where it reads a
+    # value computed from constants only; so does `jacve`, so side effects (a
+    # counter, keys drawn from an iterator) happen as often as there.
+    flag = jnp.array(1.0)
+    calls = []
+
+    def fun(x):
+        calls.append(None)
+        scale = 2.0 if flag > 0 else -1.0
+        steps = int(jnp.sum(jnp.ones(3)))
+        return jnp.sin(x) * scale * steps
+
+    x = jnp.array([0.1, -0.4, 0.7])
+    want = jax.jacrev(fun)(x)
+    assert len(calls) == 1
+    for k in range(2):
+        calls.clear()
+        got = graphax_eqx.jacve(fun, order=order)(x)
+        assert len(calls) == 1, f"call {k}: `fun` ran {len(calls)} times"
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    # So do `vmap` and a `jacve` of `jacve` (JAX computes such values there too).
+    xs = jnp.stack([x, 2.0 * x])
+    calls.clear()
+    got = jax.vmap(graphax_eqx.jacve(fun, order=order))(xs)
+    assert len(calls) == 1
+    np.testing.assert_allclose(got, jax.vmap(jax.jacrev(fun))(xs), rtol=1e-6)
+    calls.clear()
+    got = graphax_eqx.jacve(graphax_eqx.jacve(fun, order=order), order=order)(x)
+    assert len(calls) == 1
+    np.testing.assert_allclose(got, jax.jacfwd(jax.jacrev(fun))(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "auto"])
+def test_constant_work_nested_in_fun_runs_as_eagerly(order):
+    # Values computed from constants are concrete in `fun` itself, as eagerly, but
+    # the bodies of the `jit` and `cond` nested in it are staged as usual: what their
+    # untaken branches would do (an `eqx.error_if` that does not fire, a callback)
+    # does not run while `fun` is traced.
+    flag = jnp.array(1.0)
+    ts = jnp.linspace(0.0, 1.0, 4)
+    called = []
+
+    def fun(x):
+        scale = 2.0 if flag > 0 else 1.0
+        t = eqx.error_if(ts, ts[1:] < ts[:-1], "times must increase")
+
+        def untaken(x):
+            jax.debug.callback(lambda: called.append(None))
+            return x
+
+        y = lax.cond(flag > 0, jnp.sin, untaken, x)
+        return y * scale * t[1]
+
+    x = jnp.array([0.1, -0.4, 0.7])
+    want = jax.jacrev(fun)(x)
+    got = graphax_eqx.jacve(fun, order=order)(x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert not called
+
+
+def test_constant_work_meets_named_axes_and_keeps_effects_in_order(capfd):
+    # What `fun` computes from constants is handed to the trace `jacve` runs under,
+    # as JAX's own transformations hand it on: under `vmap` it meets the named axis
+    # (`axis_index`, collectives). Ordered effects stay in program order.
+    c = jnp.arange(4.0)
+    xs = jnp.linspace(0.1, 1.2, 12).reshape(3, 4)
+    for fun in (
+        lambda x: jnp.sin(x) * lax.axis_index("i"),
+        lambda x: jnp.sin(x) * lax.pmax(c[1] * 2.0, "i"),
+        lambda x: jnp.sin(x) + jax.jit(lambda: lax.axis_index("i"))(),
+    ):
+        got = jax.vmap(graphax_eqx.jacve(fun), axis_name="i")(xs)
+        want = jax.vmap(jax.jacrev(fun), axis_name="i")(xs)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    def printing(x):
+        jax.debug.print("first {}", x[0], ordered=True)
+        jax.debug.print("second {}", c[1], ordered=True)
+        return jnp.sin(x)
+
+    capfd.readouterr()
+    jax.effects_barrier()
+    graphax_eqx.jacve(printing)(xs[0])
+    jax.effects_barrier()
+    out = capfd.readouterr().out
+    assert out.index("first") < out.index("second"), out
 
 
 @pytest.mark.parametrize("order", ORDERS)
