@@ -290,10 +290,7 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
 
     def flat_fun(*flat):
         args, kwargs = rebuild(flat)
-        if eager:
-            with jp.eager_constants():
-                res = fun(*args, **kwargs)
-        else:
+        with jp.eager_constants() if eager else contextlib.nullcontext():
             res = fun(*args, **kwargs)
         if has_aux:
             if not (isinstance(res, (tuple, list)) and len(res) == 2):

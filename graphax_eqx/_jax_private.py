@@ -779,19 +779,20 @@ def compute_once(x):
 # order with the rest. Mirrors `JVPTrace.process_primitive` (JAX 0.10.2).
 
 
-def _handed_on(primitive, tracers, params) -> bool:
+def _handed_on(primitive, tracers, params) -> tuple | None:
+    """The operands' types where the operation is handed on, else `None`."""
     if any(isinstance(x, Tracer) for x in tracers):
-        return False
+        return None
     if getattr(primitive, "ref_primitive", False):
-        return False
-    avals = [_core.typeof(x) for x in tracers]
+        return None
+    avals = tuple(_core.typeof(x) for x in tracers)
     if any(isinstance(a, _AbstractRef) for a in avals):
-        return False
+        return None
     try:
         _, effects = primitive.abstract_eval(*avals, **params)
     except Exception:  # computed as JAX computes it
-        return True
-    return not effects
+        return avals
+    return None if effects else avals
 
 
 class _EagerConstantsTrace(_pe.DynamicJaxprTrace):
@@ -808,9 +809,9 @@ class _EagerConstantsTrace(_pe.DynamicJaxprTrace):
         return self._outer.stage_value(val)
 
     def process_primitive(self, primitive, tracers, params, /):
-        if not _handed_on(primitive, tracers, params):
+        avals = _handed_on(primitive, tracers, params)
+        if avals is None:
             return super().process_primitive(primitive, tracers, params)
-        avals = tuple(_core.typeof(x) for x in tracers)
         return primitive.bind_with_trace(self._outer, tracers, avals, params)
 
     def process_custom_jvp_call(self, prim, fun, jvp, tracers, /, *, symbolic_zeros):
