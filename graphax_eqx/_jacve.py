@@ -357,6 +357,8 @@ def _describe_value(x) -> str:
     if isinstance(x, jp.Tracer):
         aval = jax.typeof(x)
         return f"a single array of shape {tuple(aval.shape)} and dtype {aval.dtype}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)} elements, not 2"
     return f"an object of type {type(x).__name__}"
 
 
@@ -592,9 +594,13 @@ def _leaf_blocks(
                 block = _zero_block(out_shape, jnp.shape(x), dtype, sparse)
             else:
                 block = _block(edge, dtype, sparse)
-            if not sparse and _weak(x):
-                # As `jax.jacrev`: the derivative w.r.t. a Python scalar is weak.
-                block = jp.as_weak_type(block)
+            if _weak(x):
+                # As `jax.jacrev`: the derivative w.r.t. a Python scalar is weak
+                # (a structured block's `.dense()` is when its values are).
+                if not sparse:
+                    block = jp.as_weak_type(block)
+                elif block.val is not None:
+                    block = dataclasses.replace(block, val=jp.as_weak_type(block.val))
             blocks[(o, j)] = block
     return blocks
 

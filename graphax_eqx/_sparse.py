@@ -239,6 +239,14 @@ def vmapped_axes(val: Array | None, shape: tuple[int, ...]) -> int:
 SPREAD = 8
 
 
+def weak_as(val: Array | None, out: Array) -> Array:
+    """`out`, weakly typed where the stored values `val` are: the Jacobian with
+    respect to a Python scalar is weak, as `jax.jacrev` gives it."""
+    if val is not None and getattr(jax.typeof(val), "weak_type", False):
+        return jp.as_weak_type(out)
+    return out
+
+
 def batched_dense(block, batch: int) -> Array:
     """`block.dense()` of a result vmapped over `batch` leading axes."""
     fn = type(block)._dense_ops
@@ -326,6 +334,10 @@ class SparseTensor(BlockShape, eqx.Module):
         batch = vmapped_axes(self.val, p.val_shape)
         if batch:
             return batched_dense(self, batch)
+        return weak_as(self.val, self._dense_values())
+
+    def _dense_values(self) -> Array:
+        p = self.pattern
         target = dense_pattern(p.out_shape, p.in_shape)
         st = self
         if st.val is not None and target.val_size >= SPREAD * st.val.size:

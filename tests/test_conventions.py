@@ -115,6 +115,23 @@ def test_python_scalars_keep_weak_type():
     assert value.weak_type == jax.value_and_grad(lambda x: 2 * x)(1.0)[0].weak_type
 
 
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_structured_results_of_python_scalars_are_weak_when_dense(order, jit):
+    # `.dense()` of a structured block types its entries as `jax.jacrev` does, so
+    # that they promote alike (with a float16 array, say).
+    f = lambda x, y: (jnp.sin(x) * y, {"a": x * jnp.ones(3) + y})
+    args = (0.4, jnp.float32(2.0))
+    jac = gx.jacve(f, order=order, argnums=(0, 1), sparse_representation=True)
+    jac = jax.jit(jac) if jit else jac
+    ours = jax.tree.leaves(jac(*args), is_leaf=lambda b: isinstance(b, gx.SparseTensor))
+    theirs = jax.tree.leaves(jax.jacrev(f, argnums=(0, 1))(*args))
+    dense = [b.dense() for b in ours]
+    assert [d.weak_type for d in dense] == [t.weak_type for t in theirs]
+    assert [d.weak_type for d in dense] == [True, False, True, False]
+    assert tree_allclose(dense, theirs)
+
+
 def test_has_aux_single_output_message():
     with pytest.raises(TypeError, match=r"pair `\(output, aux\)`.*single array"):
         gx.jacve(jnp.sin, has_aux=True)(_X)

@@ -331,6 +331,16 @@ def test_equinox_layer_errors_name_the_function_called(make):
         TypeError, match=rf"^`{make}\(\.\.\., has_aux=True\)`.*a single array of shape"
     ):
         transform(lambda x: x * 2.0, has_aux=True)(_x())
+    with pytest.raises(TypeError, match=r"returned a tuple of 3 elements, not 2"):
+        transform(lambda x: (x, x, x), has_aux=True)(_x())
+
+
+@pytest.mark.parametrize("out", [(1.0, 2.0, 3.0), [1.0]])
+def test_has_aux_output_of_wrong_length_is_named(out):
+    fun = lambda x: tuple(x * v for v in out) if isinstance(out, tuple) else [x]
+    kind = type(out).__name__
+    with pytest.raises(TypeError, match=rf"returned a {kind} of {len(out)} elements"):
+        graphax_eqx.jacve(fun, has_aux=True)(_x())
 
 
 def test_equinox_runtime_errors_raise_as_in_equinox(caplog):
