@@ -20,13 +20,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 from jax import lax
 
 from . import _jax_private as jp
 from ._complex import realify
 from ._indexed import densify_small_blocks
-from ._rules import get_rule, zero_derivative
+from ._rules import control, get_rule, zero_derivative
 from ._rules.custom import check_rules_inside
 from ._rules.elementwise import computed_once
 from ._sparse import LinearMap, add, diagonal, should_materialise, to_sparse
@@ -125,6 +126,9 @@ def inline(closed_jaxpr) -> Program:
                         env[var] = atom
                 continue
             inner = jp.inner_jaxpr(eqn)
+            if inner is None and eqn.primitive is lax.scan_p and unrolls(eqn):
+                unrolled = _unrolled_scan(eqn)
+                inner = unrolled.jaxpr, list(unrolled.consts)
             if inner is not None:
                 sub_jaxpr, sub_consts = inner
                 outs = visit(sub_jaxpr, hoist(sub_jaxpr.constvars, sub_consts), ins)
@@ -167,6 +171,133 @@ def inline(closed_jaxpr) -> Program:
         tuple(consts),
     )
     return split_tiled_windows(realify(program))
+
+
+# A short loop of structured steps (an explicit time stepper: stencils, rolls,
+# elementwise work) is unrolled into the graph, so that the structure of each step
+# reaches the Jacobian: kept whole, a loop is one linear map, and wherever its
+# Jacobian is stored that map is applied to every row or column (a dense block).
+# Loops whose steps are dense (a product or convolution contracting over more than
+# `_MAX_UNROLLED_CONTRACTION` entries, or over more than 1/`_SPREAD_PER_CONTRACTION`
+# of a value that changes from step to step: a recurrent network's `W @ h`) gain no
+# structure from it and stay loops, applied once to a loss's cotangent as JAX's
+# reverse mode does; so do small ones (their dense Jacobian is cheap), long ones
+# (compile time grows with the unrolled size), and loops holding a `while_loop`.
+MAX_UNROLLED_EQNS = 1024
+_MAX_UNROLLED_CONTRACTION = 32
+_SPREAD_PER_CONTRACTION = 8
+
+
+def _var_size(var) -> int:
+    return math.prod(getattr(var.aval, "shape", ()))
+
+
+def _is_float_var(var) -> bool:
+    dtype = getattr(var.aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _dense_step(eqn, varying) -> bool:
+    """Whether a product or convolution contracts over much of an operand that
+    changes from step to step (`varying`): then each step's Jacobian is dense."""
+    prim = eqn.primitive
+    if prim is lax.dot_general_p:
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        contracted = math.prod(eqn.invars[0].aval.shape[d] for d in lc)
+    elif prim is lax.conv_general_dilated_p:
+        rhs = eqn.invars[1].aval.shape
+        out_feat = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+        contracted = math.prod(rhs) // max(out_feat, 1)
+    else:
+        return False
+    if contracted > _MAX_UNROLLED_CONTRACTION:
+        return True
+    return any(
+        varying(v) and _var_size(v) < _SPREAD_PER_CONTRACTION * contracted
+        for v in eqn.invars
+    )
+
+
+def _structured_size(jaxpr, varying_in: Sequence[bool]) -> int | None:
+    """How many equations `jaxpr` runs unrolled (loops inside it counted once per
+    step), or `None` where a step is dense (`_dense_step`) or holds a loop of
+    unknown length. `varying_in` marks the inputs that change from step to step."""
+    changing = {v for v, c in zip(jaxpr.invars, varying_in, strict=True) if c}
+
+    def varying(v) -> bool:
+        return not isinstance(v, jp.Literal) and v in changing
+
+    total = 0
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive
+        moved = any(varying(v) for v in eqn.invars)
+        if prim is lax.while_p or (moved and _dense_step(eqn, varying)):
+            return None
+        steps = eqn.params["length"] if prim is lax.scan_p else 1
+        inner = 0
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jp.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jp.Jaxpr):
+                    size = _structured_size(sub, [moved] * len(sub.invars))
+                    if size is None:
+                        return None
+                    inner = max(inner, size) if prim is lax.cond_p else inner + size
+        total += 1 + steps * inner
+        if total > MAX_UNROLLED_EQNS:
+            return None
+        if moved:
+            changing.update(eqn.outvars)
+    return total
+
+
+def unrolls(eqn) -> bool:
+    """Whether `inline` unrolls this `lax.scan` equation (see `MAX_UNROLLED_EQNS`):
+    its dense Jacobian would be large, and its steps are structured and few."""
+    length = eqn.params["length"]
+    if length < 1 or eqn.effects:
+        return False
+    n_in = sum(_var_size(v) for v in eqn.invars if _is_float_var(v))
+    n_out = sum(_var_size(v) for v in eqn.outvars if _is_float_var(v))
+    if n_in * n_out <= control._MAX_DENSE_ENTRIES:
+        return False
+    if any(jp.has_mesh(v.aval) for v in (*eqn.invars, *eqn.outvars)):
+        return False
+    body = eqn.params["jaxpr"].jaxpr
+    n_consts, _ = jp.scan_counts(eqn.params)
+    varying_in = [k >= n_consts for k in range(len(body.invars))]
+    size = _structured_size(body, varying_in)
+    return size is not None and length * size <= MAX_UNROLLED_EQNS
+
+
+def _unrolled_scan(eqn) -> jp.ClosedJaxpr:
+    """A `lax.scan` equation as the jaxpr of its steps, one after another: each
+    step's scanned inputs sliced out, its outputs stacked."""
+    params = eqn.params
+    body = jex_core.jaxpr_as_fun(params["jaxpr"])
+    n_consts, n_carry = jp.scan_counts(params)
+    length, reverse = params["length"], params["reverse"]
+
+    def unrolled(*operands):
+        consts = operands[:n_consts]
+        carry = operands[n_consts : n_consts + n_carry]
+        xs = operands[n_consts + n_carry :]
+        ys = {}
+        for i in reversed(range(length)) if reverse else range(length):
+            x_i = [lax.index_in_dim(x, i, keepdims=False) for x in xs]
+            outs = body(*consts, *carry, *x_i)
+            carry, ys[i] = outs[:n_carry], outs[n_carry:]
+        stacked = [
+            jnp.stack([ys[i][k] for i in range(length)]) for k in range(len(ys[0]))
+        ]
+        return [*carry, *stacked]
+
+    types = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in eqn.invars
+    ]
+    return jax.make_jaxpr(unrolled)(*types)
 
 
 _PLATFORM_NAMES = {"cpu": {"cpu"}, "gpu": {"gpu", "cuda", "rocm"}, "tpu": {"tpu"}}

@@ -234,6 +234,11 @@ def _mesh_of_aval(aval):
     return _nonempty(getattr(getattr(aval, "sharding", None), "mesh", None))
 
 
+def has_mesh(aval) -> bool:
+    """Whether an abstract value is placed on a (non-empty) mesh."""
+    return _mesh_of_aval(aval) is not None
+
+
 def _has_explicit(mesh) -> bool:
     return mesh is not None and AxisType.Explicit in tuple(mesh.axis_types)
 

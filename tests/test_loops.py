@@ -15,6 +15,7 @@ import pytest
 from jax import lax
 
 import graphax_eqx as gx
+import graphax_eqx._graph as graph
 import graphax_eqx._rules.control as control
 from graphax_eqx._sparse import linear_map
 
@@ -115,6 +116,7 @@ def maps(monkeypatch):
 
     monkeypatch.setattr(control, "_MAX_DENSE_ENTRIES", 0)
     monkeypatch.setattr(control, "linear_map", counted)
+    monkeypatch.setattr(graph, "MAX_UNROLLED_EQNS", 0)
     return made
 
 
@@ -325,3 +327,105 @@ def test_scan_operand_counts_in_either_params_form():
 
     packed = {"ft_in": Packed([None] * 3, [None] * 2, [None])}
     assert jp.scan_counts(packed) == (3, 2)
+
+
+# Short loops of structured steps are unrolled into the graph (`_graph.unrolls`).
+
+
+def _heat_step(u):
+    return u + 0.1 * (jnp.roll(u, 1) - 2 * u + jnp.roll(u, -1)) - 0.01 * u**3
+
+
+def _heat_fori(u):
+    return lax.fori_loop(0, 4, lambda i, v: _heat_step(v), u)
+
+
+def _heat_python(u):
+    for _ in range(4):
+        u = _heat_step(u)
+    return u
+
+
+def _scan_with_history(u):
+    # Scanned inputs and stacked outputs, a closed-over array, an integer counter,
+    # a reverse scan nested in the body.
+    forcing = jnp.linspace(0.0, 1.0, u.shape[0], dtype=u.dtype)
+
+    def inner(c, a):
+        return jnp.sin(c) * a + jnp.roll(c, 2), c[::3]
+
+    def step(carry, x):
+        v, k = carry
+        v = _heat_step(v) + x * forcing
+        w, ws = lax.scan(inner, v, jnp.stack([x, 2 * x]), reverse=True)
+        return (w * (k + 1), k + 1), jnp.concatenate([ws[1], v[:4] ** 2])
+
+    xs = jnp.stack([0.1 * u, 0.05 * u**2, jnp.roll(u, 3)])
+    (v, _), ys = lax.scan(step, (u, 0), xs)
+    return v, ys
+
+
+def _structural_nnz(jac) -> int:
+    return int(np.count_nonzero(np.asarray(jac)))
+
+
+@pytest.mark.parametrize("order", _ORDERS)
+def test_short_structured_loops_keep_their_sparsity(order):
+    n = 160
+    u = jnp.linspace(0.5, 1.5, n)
+    expected = jax.jacfwd(_heat_fori)(u)
+    for transform in (lambda f: f, jax.jit):
+        jac = transform(gx.jacve(_heat_fori, order=order, sparse_representation=True))
+        result = jac(u)
+        assert result.nse == _structural_nnz(expected) == 9 * n
+        _close(result.dense(), expected, jnp.float64)
+    # The same counts as the loop written out in Python.
+    _, counts = gx.jacve(_heat_fori, order=order, count_ops=True)(u)
+    _, python_counts = gx.jacve(_heat_python, order=order, count_ops=True)(u)
+    assert counts == python_counts
+
+
+@pytest.mark.parametrize("order", _ORDERS)
+def test_unrolled_scans_with_inputs_outputs_and_nesting(order):
+    u = jnp.linspace(-0.7, 0.9, 150)
+    expected = jax.jacfwd(_scan_with_history)(u)
+    assert _scan_eqns(_scan_with_history, u) and all(
+        graph.unrolls(e) for e in _scan_eqns(_scan_with_history, u)
+    )
+    for transform in (lambda f: f, jax.jit):
+        dense = transform(gx.jacve(_scan_with_history, order=order))(u)
+        sparse = transform(
+            gx.jacve(_scan_with_history, order=order, sparse_representation=True)
+        )(u)
+        for d, s, e in zip(dense, sparse, expected, strict=True):
+            _close(d, e, jnp.float64)
+            _close(s.dense(), e, jnp.float64)
+            assert s.nse == _structural_nnz(e)
+
+
+def _scan_eqns(fn, *args) -> list:
+    eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+    return [e for e in eqns if e.primitive is lax.scan_p]
+
+
+def test_dense_long_or_small_loops_stay_loops():
+    u = jnp.linspace(0.5, 1.5, 160)
+    w = _matrix(160, 0, jnp.float64)
+    programs = {
+        "dense step": lambda v: lax.fori_loop(0, 4, lambda i, h: jnp.tanh(w @ h), v),
+        "long": lambda v: lax.fori_loop(0, 400, lambda i, h: _heat_step(h), v),
+        "small": lambda v: lax.fori_loop(0, 4, lambda i, h: _heat_step(h), v[:8]),
+        "while inside": lambda v: lax.fori_loop(
+            0, 2, lambda i, h: lax.while_loop(lambda c: c[0] < 2, _bump, (0, h))[1], v
+        ),
+    }
+    for name, fn in programs.items():
+        (eqn,) = _scan_eqns(fn, u)
+        assert not graph.unrolls(eqn), name
+        _close(gx.jacve(fn, order="rev")(u), jax.jacfwd(fn)(u), jnp.float64)
+    (eqn,) = _scan_eqns(_heat_fori, u)
+    assert graph.unrolls(eqn)
+
+
+def _bump(c):
+    return c[0] + 1, _heat_step(c[1])
