@@ -597,10 +597,12 @@ def _leaf_blocks(
             if _weak(x):
                 # As `jax.jacrev`: the derivative w.r.t. a Python scalar is weak
                 # (a structured block's `.dense()` is when its values are).
-                if not sparse:
+                if isinstance(block, (SparseTensor, CooTensor)):
+                    if block.val is not None:
+                        weak = jp.as_weak_type(block.val)
+                        block = dataclasses.replace(block, val=weak)
+                else:
                     block = jp.as_weak_type(block)
-                elif block.val is not None:
-                    block = dataclasses.replace(block, val=jp.as_weak_type(block.val))
             blocks[(o, j)] = block
     return blocks
 

@@ -239,7 +239,7 @@ def vmapped_axes(val: Array | None, shape: tuple[int, ...]) -> int:
 SPREAD = 8
 
 
-def weak_as(val: Array | None, out: Array) -> Array:
+def weak_as(val: Array | None, out: Array) -> Any:
     """`out`, weakly typed where the stored values `val` are: the Jacobian with
     respect to a Python scalar is weak, as `jax.jacrev` gives it."""
     if val is not None and getattr(jax.typeof(val), "weak_type", False):
