@@ -182,7 +182,9 @@ def inline(closed_jaxpr) -> Program:
 # of a value that changes from step to step: a recurrent network's `W @ h`) gain no
 # structure from it and stay loops, applied once to a loss's cotangent as JAX's
 # reverse mode does; so do small ones (their dense Jacobian is cheap), long ones
-# (compile time grows with the unrolled size), and loops holding a `while_loop`.
+# (compile time grows with the unrolled size: a band that widens at every step is
+# multiplied out diagonal by diagonal), and loops holding a `while_loop`.
+MAX_UNROLLED_STEPS = 16
 MAX_UNROLLED_EQNS = 1024
 _MAX_UNROLLED_CONTRACTION = 32
 _SPREAD_PER_CONTRACTION = 8
@@ -256,7 +258,7 @@ def unrolls(eqn) -> bool:
     """Whether `inline` unrolls this `lax.scan` equation (see `MAX_UNROLLED_EQNS`):
     its dense Jacobian would be large, and its steps are structured and few."""
     length = eqn.params["length"]
-    if length < 1 or eqn.effects:
+    if not 1 <= length <= MAX_UNROLLED_STEPS or eqn.effects:
         return False
     n_in = sum(_var_size(v) for v in eqn.invars if _is_float_var(v))
     n_out = sum(_var_size(v) for v in eqn.outvars if _is_float_var(v))

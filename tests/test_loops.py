@@ -413,7 +413,10 @@ def test_dense_long_or_small_loops_stay_loops():
     w = _matrix(160, 0, jnp.float64)
     programs = {
         "dense step": lambda v: lax.fori_loop(0, 4, lambda i, h: jnp.tanh(w @ h), v),
-        "long": lambda v: lax.fori_loop(0, 400, lambda i, h: _heat_step(h), v),
+        "long": lambda v: lax.fori_loop(0, 17, lambda i, h: _heat_step(h), v),
+        "many equations": lambda v: lax.fori_loop(
+            0, 12, lambda i, h: _heat_python(_heat_python(_heat_python(h))), v
+        ),
         "small": lambda v: lax.fori_loop(0, 4, lambda i, h: _heat_step(h), v[:8]),
         "while inside": lambda v: lax.fori_loop(
             0, 2, lambda i, h: lax.while_loop(lambda c: c[0] < 2, _bump, (0, h))[1], v
@@ -425,6 +428,7 @@ def test_dense_long_or_small_loops_stay_loops():
         _close(gx.jacve(fn, order="rev")(u), jax.jacfwd(fn)(u), jnp.float64)
     (eqn,) = _scan_eqns(_heat_fori, u)
     assert graph.unrolls(eqn)
+    assert graph.MAX_UNROLLED_STEPS == 16
 
 
 def _bump(c):
