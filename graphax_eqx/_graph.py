@@ -220,6 +220,16 @@ def _dense_step(eqn, varying) -> bool:
     )
 
 
+def _varying_inside(eqn, sub, varying) -> list[bool]:
+    """Which inputs of `sub`, a jaxpr inside `eqn`, change from step to step: those
+    bound to changing operands where they are bound one to one (calls, custom
+    derivatives, a `cond`'s branches); else all of them, if any operand changes."""
+    operands = eqn.invars[1:] if eqn.primitive is lax.cond_p else eqn.invars
+    if eqn.primitive is not lax.scan_p and len(operands) == len(sub.invars):
+        return [varying(v) for v in operands]
+    return [any(varying(v) for v in eqn.invars)] * len(sub.invars)
+
+
 def _structured_size(jaxpr, varying_in: Sequence[bool]) -> int | None:
     """How many equations `jaxpr` runs unrolled (loops inside it counted once per
     step), or `None` where a step is dense (`_dense_step`) or holds a loop of
@@ -242,7 +252,7 @@ def _structured_size(jaxpr, varying_in: Sequence[bool]) -> int | None:
                 if isinstance(sub, jp.ClosedJaxpr):
                     sub = sub.jaxpr
                 if isinstance(sub, jp.Jaxpr):
-                    size = _structured_size(sub, [moved] * len(sub.invars))
+                    size = _structured_size(sub, _varying_inside(eqn, sub, varying))
                     if size is None:
                         return None
                     inner = max(inner, size) if prim is lax.cond_p else inner + size

@@ -426,9 +426,25 @@ def test_dense_long_or_small_loops_stay_loops():
         (eqn,) = _scan_eqns(fn, u)
         assert not graph.unrolls(eqn), name
         _close(gx.jacve(fn, order="rev")(u), jax.jacfwd(fn)(u), jnp.float64)
-    (eqn,) = _scan_eqns(_heat_fori, u)
-    assert graph.unrolls(eqn)
     assert graph.MAX_UNROLLED_STEPS == 16
+    # Structured steps unroll, also where a small constant kernel or matrix is
+    # applied inside a `jit` of `jax.numpy`'s.
+    kernel = jnp.array([0.2, -0.5, 0.3])
+    cell = jnp.array([[1.0, 2.0, 3.0], [0.0, 1.0, 0.0], [2.0, 0.0, 1.0]])
+    programs = {
+        "stencil": _heat_fori,
+        "convolve": lambda v: lax.fori_loop(
+            0, 4, lambda i, h: jnp.convolve(h, kernel, mode="same") + jnp.tanh(h), v
+        ),
+        "per-cell product": lambda v: lax.fori_loop(
+            0, 4, lambda i, h: (h.reshape(-1, 3) @ cell).reshape(-1) + jnp.sin(h), v
+        ),
+    }
+    u = u[:150]
+    for name, fn in programs.items():
+        (eqn,) = _scan_eqns(fn, u)
+        assert graph.unrolls(eqn), name
+        _close(gx.jacve(fn, order="rev")(u), jax.jacfwd(fn)(u), jnp.float64)
 
 
 def _bump(c):
