@@ -184,7 +184,7 @@ def inline(closed_jaxpr) -> Program:
 # reverse mode does; so do small ones (their dense Jacobian is cheap), long ones
 # (compile time grows with the unrolled size: a band that widens at every step is
 # multiplied out diagonal by diagonal), and loops holding a `while_loop`.
-MAX_UNROLLED_STEPS = 16
+MAX_UNROLLED_STEPS = 8
 MAX_UNROLLED_EQNS = 1024
 _MAX_UNROLLED_CONTRACTION = 32
 _SPREAD_PER_CONTRACTION = 8
