@@ -173,6 +173,35 @@ class CooPattern:
         )
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class MappedPattern(CooPattern):
+    """The coordinates of a partial that is also a linear map cheap to apply (a
+    convolution's), described by `linear` (a `graphax_eqx._sparse.LinearPattern`).
+
+    A product picks one form by its cost (`mapped_choice`): the coordinates against
+    sparse neighbours, the map against dense ones, where a gather per entry pair
+    would cost several times the convolution that applies the map. Every other
+    operation sees plain coordinates (`plain`).
+    """
+
+    linear: Any = None
+
+    @functools.cached_property
+    def _key(self):
+        return CooPattern._key.func(self) + ("map", self.linear)
+
+    @functools.cached_property
+    def plain(self) -> CooPattern:
+        return CooPattern(
+            self.out_shape, self.in_shape, self.ties, self.varying, self.rows, self.cols
+        )
+
+
+def plain(p):
+    """`p` with the map of a `MappedPattern` dropped (any other pattern as it is)."""
+    return p.plain if isinstance(p, MappedPattern) else p
+
+
 class CooTensor(BlockShape, eqx.Module):
     """A sparse Jacobian block of shape `out_shape + in_shape` with static indices.
 
@@ -270,6 +299,72 @@ class CooTensor(BlockShape, eqx.Module):
             f"CooTensor({_dtype_str(self.dtype)}[{shape.strip()}], ties=({ties}), "
             f"nnz={p.nnz} of {p.n_out_free}x{p.n_in_free} free, {val})"
         )
+
+
+class MappedCooTensor(CooTensor):
+    """A `CooTensor` whose pattern is a `MappedPattern`, with the map itself
+    (`linear`, a `graphax_eqx._sparse.LinearMap`); only inside the elimination."""
+
+    linear: Any = eqx.field(static=True, default=None)
+
+
+def plain_tensor(x):
+    """`x` with the map of a `MappedCooTensor` dropped."""
+    if isinstance(x, CooTensor) and isinstance(x.pattern, MappedPattern):
+        return CooTensor(x.val, x.pattern.plain, x.dtype, x.mask)
+    return x
+
+
+def mapped(ct, linear):
+    """`ct` (a partial) as a `MappedCooTensor` that is also `linear`, where it is
+    stored by coordinates; any other partial as it is."""
+    if type(ct) is not CooTensor:
+        return ct
+    p = ct.pattern
+    pattern = MappedPattern(
+        p.out_shape, p.in_shape, p.ties, p.varying, p.rows, p.cols, linear.pattern
+    )
+    return MappedCooTensor(ct.val, pattern, ct.dtype, ct.mask, linear)
+
+
+def as_map(x):
+    """The linear map of a partial with a `MappedPattern`.
+
+    A tensor that carries its map gives it. Any other (a pattern passed on unchanged
+    with other values) is applied through its coordinates, which is exact whatever
+    its values are."""
+    from ._sparse import LinearMap
+
+    if isinstance(x, MappedCooTensor) and x.linear is not None:
+        return x.linear
+    linear = x.pattern.linear
+    x = plain_tensor(x)
+    return LinearMap(
+        lambda t: apply_partial(x, t), lambda y: apply_partial_t(x, y), linear, x.dtype
+    )
+
+
+def _as_array(out) -> Array:
+    if isinstance(out, CooTensor):
+        out = to_labeled(out)
+    return out._dense_ops()
+
+
+def apply_partial(x, t: Array) -> Array:
+    """A partial (stored, by coordinates or labels) applied to `t` (shape
+    `in_shape`): entry by entry over coordinates."""
+    from ._sparse import dense, product
+
+    out, _ = product(x, dense(t, x.in_shape, ()))
+    return _as_array(out)
+
+
+def apply_partial_t(x, y: Array) -> Array:
+    """The transpose of a stored partial applied to `y` (shape `out_shape`)."""
+    from ._sparse import dense, product
+
+    out, _ = product(dense(y, (), x.out_shape), x)
+    return _as_array(out)
 
 
 def _coo_data(ct: CooTensor) -> Array:
@@ -1587,6 +1682,154 @@ def _routed(pa, pb, a_val: bool, b_val: bool):
     return False, conv_a, conv_b, pa, pb, a_val, b_val, None
 
 
+# A product over coordinates gathers both factors for each entry pair and sums the
+# pairs by segment; a convolution applied as a map runs as one XLA convolution. On
+# CPU the pair costs this many times a multiplication of the convolution (measured
+# with the convolutions of a small CNN; see benchmarks/NOTES.md).
+GATHER_COST = 8
+
+
+def _map_form(pa, pb, a_map: bool, b_map: bool):
+    """The operands of `A · B` with the mapped ones taken as their maps (the others
+    as plain coordinates)."""
+    qa = pa.linear if a_map else plain(pa)
+    qb = pb.linear if b_map else plain(pb)
+    return qa, qb
+
+
+def _map_cost(qa, qb, a_val: bool, b_val: bool) -> int | None:
+    """The cost of `A · B` with a map on one side (`qa` or `qb` a `LinearPattern`):
+    its multiplications and the entries a coordinate operand is scattered into to
+    meet the map; `None` where the product would stay a lazy map (a map applied
+    nowhere yet, whose cost the product cannot see)."""
+    from ._sparse import _ProductPlan, product_plan
+
+    plan = product_plan(qa, qb, a_val, b_val)
+    inner = plan.inner if isinstance(plan, ConvertPlan) else plan
+    if not isinstance(inner, _ProductPlan):
+        return None
+    if inner.kind not in ("linear-apply", "apply-linear"):
+        return None
+    cost = plan.muls
+    if isinstance(plan, ConvertPlan):
+        for how, p in ((plan.conv_a, qa), (plan.conv_b, qb)):
+            if how == "labeled":
+                cost += _free_entries(labeled_pattern(p)[0])
+    return cost
+
+
+@functools.lru_cache(maxsize=4096)
+def mapped_choice(pa, pb, a_val: bool, b_val: bool) -> tuple[bool, bool]:
+    """Which operands of `A · B` with a `MappedPattern` are applied as maps: the
+    form of least cost, a multiplication over coordinates counting `GATHER_COST`
+    times one of a map. A band product keeps the coordinates."""
+    from ._band import band_product_plan
+
+    qa, qb = plain(pa), plain(pb)
+    if band_product_plan(qa, qb) is not None:
+        return False, False
+    cost = GATHER_COST * mixed_product_muls(qa, qb, a_val, b_val)
+    if isinstance(qa, CooPattern) and isinstance(qb, CooPattern):
+        # Too many entry pairs to find the result's entries from (seconds of
+        # tracing, a mostly dense result): the map, where one applies.
+        if _pair_count(qa, qb)[0] > MAX_PICK_PAIRS:
+            cost = math.inf
+    best = (False, False)
+    for choice in ((True, False), (False, True)):
+        if not (isinstance(pa, MappedPattern) if choice[0] else True):
+            continue
+        if not (isinstance(pb, MappedPattern) if choice[1] else True):
+            continue
+        c = _map_cost(*_map_form(pa, pb, *choice), a_val, b_val)
+        if c is not None and c < cost:
+            best, cost = choice, c
+    return best
+
+
+def _structural_muls(p, has_val: bool) -> int | None:
+    """The multiplications of applying a partial of pattern `p` to one vector, where
+    it is cheap and structural enough to fold into a map it meets: a value-free
+    index map, or a labeled partial with no more entries than its larger side (an
+    elementwise derivative, a broadcast, a unit axis added or removed). `None`
+    otherwise."""
+    from ._sparse import _matvec_muls
+
+    if isinstance(p, CooPattern) and not isinstance(p, MappedPattern):
+        return None if has_val else 0
+    if isinstance(p, Pattern):
+        entries = math.prod(p.sizes)
+        if entries <= max(math.prod(p.out_shape), math.prod(p.in_shape)):
+            return _matvec_muls(p, has_val)
+    return None
+
+
+def _carried(pa, pb, a_val: bool, b_val: bool, result):
+    """The `MappedPattern` of `A · B` taken over coordinates (pattern `result`),
+    when one operand is mapped and the other structural (`_structural_muls`): the
+    result is also the map composed with that operand. Else `None`."""
+    from ._sparse import _MAX_UNFOLDED, LinearPattern
+
+    if not isinstance(result, CooPattern) or isinstance(pa, MappedPattern) == (
+        isinstance(pb, MappedPattern)
+    ):
+        return None
+    if isinstance(pa, MappedPattern):
+        lin, extra = pa.linear, _structural_muls(pb, b_val)
+    else:
+        lin, extra = pb.linear, _structural_muls(pa, a_val)
+    if extra is None or lin.size >= _MAX_UNFOLDED:
+        return None
+    linear = LinearPattern(
+        result.out_shape, result.in_shape, lin.muls + extra, lin.size + 1
+    )
+    r = result
+    return MappedPattern(
+        r.out_shape, r.in_shape, r.ties, r.varying, r.rows, r.cols, linear
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CarriedPlan:
+    """A product over coordinates whose result carries a map (see `_carried`):
+    `inner` plans the coordinates."""
+
+    pattern: MappedPattern
+    muls: int
+    has_val: bool
+    inner: Any
+
+
+def _mapped_plan(pa, pb, a_val: bool, b_val: bool):
+    """`mixed_product_plan` where an operand has a `MappedPattern`."""
+    from ._sparse import product_plan
+
+    choice = mapped_choice(pa, pb, a_val, b_val)
+    qa, qb = _map_form(pa, pb, *choice)
+    if not any(choice):
+        plan = mixed_product_plan(qa, qb, a_val, b_val)
+        carried = _carried(pa, pb, a_val, b_val, plan.pattern)
+        if carried is None:
+            return plan
+        return CarriedPlan(carried, plan.muls, plan.has_val, plan)
+    plan = product_plan(qa, qb, a_val, b_val)
+    conv_a = "map" if choice[0] else None
+    conv_b = "map" if choice[1] else None
+    if isinstance(plan, ConvertPlan):
+        # The other operand converted as well (coordinates to their labeled form).
+        conv_a, conv_b = conv_a or plan.conv_a, conv_b or plan.conv_b
+        plan = plan.inner
+    from ._sparse import plan_has_val
+
+    has_val = plan_has_val(plan, a_val, b_val)
+    return ConvertPlan(
+        plan.pattern, "convert", plan.muls, 0, has_val, conv_a, conv_b, plan
+    )
+
+
+def _is_mapped(pa, pb) -> bool:
+    return isinstance(pa, MappedPattern) or isinstance(pb, MappedPattern)
+
+
 def mixed_product_muls(pa, pb, a_val: bool, b_val: bool) -> int:
     """The multiplications of `mixed_product_plan(pa, pb, a_val, b_val)`; products
     of coordinates are counted without being planned (scoring an elimination needs
@@ -1594,6 +1837,11 @@ def mixed_product_muls(pa, pb, a_val: bool, b_val: bool) -> int:
     from ._band import band_product_plan
     from ._sparse import product_plan
 
+    if _is_mapped(pa, pb):
+        choice = mapped_choice(pa, pb, a_val, b_val)
+        if any(choice):
+            return _mapped_plan(pa, pb, a_val, b_val).muls
+        pa, pb = plain(pa), plain(pb)
     band = band_product_plan(pa, pb)
     if band is not None:
         return band.muls
@@ -1609,6 +1857,15 @@ def mixed_product_summary(pa, pb, a_val: bool, b_val: bool):
     product of coordinates entry by entry is summarised without its entry pairs."""
     from ._band import band_product_plan
 
+    if _is_mapped(pa, pb):
+        if any(mapped_choice(pa, pb, a_val, b_val)):
+            plan = _mapped_plan(pa, pb, a_val, b_val)
+            return plan.pattern, plan.has_val, plan.muls
+        pattern, has_val, muls = mixed_product_summary(
+            plain(pa), plain(pb), a_val, b_val
+        )
+        carried = _carried(pa, pb, a_val, b_val, pattern)
+        return (pattern if carried is None else carried), has_val, muls
     band = band_product_plan(pa, pb)
     if band is None:
         entrywise, _, _, pa2, pb2, a2, b2, _ = _routed(pa, pb, a_val, b_val)
@@ -1624,6 +1881,8 @@ def mixed_product_plan(pa, pb, a_val: bool, b_val: bool):
     from ._band import band_product_plan
     from ._sparse import plan_has_val, product_plan
 
+    if _is_mapped(pa, pb):
+        return _mapped_plan(pa, pb, a_val, b_val)
     band = band_product_plan(pa, pb)
     if band is not None:
         return band
@@ -1657,6 +1916,7 @@ def mixed_sum_summary(pa, pb, a_val: bool, b_val: bool):
     of coordinates is summarised without its gathers."""
     from ._band import band_sum_plan, unbanded
 
+    pa, pb = plain(pa), plain(pb)
     if band_sum_plan(pa, pb) is None:
         pa2, a2, pb2, b2 = unbanded(pa, a_val, pb, b_val)
         if not (isinstance(pa2, CooPattern) and isinstance(pb2, CooPattern)):
@@ -1673,6 +1933,7 @@ def mixed_sum_plan(pa, pb, a_val: bool, b_val: bool):
     from ._band import band_sum_plan, unbanded
     from ._sparse import sum_plan
 
+    pa, pb = plain(pa), plain(pb)
     band = band_sum_plan(pa, pb)
     if band is not None:
         return band
@@ -1697,7 +1958,10 @@ def _unband(x):
 
 
 def _convert(x, how: str | None):
-    x = _unband(x)
+    if how == "map":
+        return as_map(x)
+    # A plan over coordinates was made for plain ones.
+    x = _unband(plain_tensor(x))
     if how == "coo" and not isinstance(x, CooTensor):
         return to_coo(x)
     if how == "labeled":
@@ -1705,7 +1969,7 @@ def _convert(x, how: str | None):
     return x
 
 
-def run_product(a, b, plan, dtype):
+def run_product(a, b, plan, dtype, final: bool = False):
     from ._band import BandProductPlan, band_product
     from ._sparse import product
 
@@ -1713,9 +1977,29 @@ def run_product(a, b, plan, dtype):
         return band_product(a, b, plan, dtype), plan.muls
     if isinstance(plan, CooProductPlan):
         return coo_product(a, b, plan, dtype), plan.muls
-    a, b = _unband(a), _unband(b)
-    out, _ = product(_convert(a, plan.conv_a), _convert(b, plan.conv_b))
+    if isinstance(plan, CarriedPlan):
+        return _carried_product(a, b, plan, dtype, final), plan.muls
+    out, _ = product(_convert(a, plan.conv_a), _convert(b, plan.conv_b), final)
     return _pick(out, plan.picked), plan.muls
+
+
+def _carried_product(a, b, plan: CarriedPlan, dtype, final: bool):
+    """`A · B` over coordinates, carrying the map of its mapped operand composed
+    with the other (see `_carried`)."""
+    from ._sparse import LinearMap
+
+    out, _ = run_product(plain_tensor(a), plain_tensor(b), plan.inner, dtype, final)
+    assert isinstance(out, CooTensor) and out.pattern == plan.pattern.plain
+    if isinstance(a.pattern, MappedPattern):
+        fa, ta = as_map(a).fn, as_map(a).tfn
+        fn = lambda t: fa(apply_partial(b, t))  # noqa: E731
+        tfn = lambda y: apply_partial_t(b, ta(y))  # noqa: E731
+    else:
+        fb, tb = as_map(b).fn, as_map(b).tfn
+        fn = lambda t: apply_partial(a, fb(t))  # noqa: E731
+        tfn = lambda y: tb(apply_partial_t(a, y))  # noqa: E731
+    linear = LinearMap(fn, tfn, plan.pattern.linear, jnp.dtype(dtype))
+    return MappedCooTensor(out.val, plan.pattern, out.dtype, out.mask, linear)
 
 
 def run_add(a, b, plan, dtype):

@@ -35,7 +35,13 @@ from ._graph import (
     inline,
     shaping_vars,
 )
-from ._indexed import CooPattern, CooTensor, restore_exact, sums_as_gathers
+from ._indexed import (
+    CooPattern,
+    CooTensor,
+    plain_tensor,
+    restore_exact,
+    sums_as_gathers,
+)
 from ._orders import graph_fingerprint, normalise_order, resolve
 from ._sparse import LinearMap, SparseTensor, to_sparse
 
@@ -528,6 +534,7 @@ def _block(edge, dtype, sparse):
     """
     if isinstance(edge, BandTensor):
         edge = to_result_coo(edge)
+    edge = plain_tensor(edge)
     if isinstance(edge, CooTensor):
         if sparse:
             if edge.val is None:

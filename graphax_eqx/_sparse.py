@@ -1029,7 +1029,7 @@ def product(a: Partial, b: Partial, final: bool = False) -> tuple[Partial, int]:
     a_val, b_val = has_val(a), has_val(b)
     plan = product_plan(a.pattern, b.pattern, a_val, b_val)
     if not isinstance(plan, _ProductPlan):
-        return _indexed.run_product(a, b, plan, _result_dtype(a, b))
+        return _indexed.run_product(a, b, plan, _result_dtype(a, b), final)
     out, muls = _product(a, b, plan, a_val, b_val, final)
     if plan.materialise:
         out = to_sparse(out)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._indexed import from_entries
+from .._indexed import from_entries, mapped
 from .._sparse import from_labeled
 from ._base import register, shape_of
 from .structural import _every_combination, _linear_in, _window_pairs
@@ -60,9 +60,13 @@ def _dot_general(primals, active, **params):
     return [out], partials
 
 
-# Convolutions get static sparse partials up to this many kernel entries per output
-# (for the input) or in all (for the kernel).
+# Convolutions get static sparse partials (which are also their linear maps) up to
+# this many kernel entries per output (for the input) or in all (for the kernel).
+_MAX_CONV_FAN_IN = 1024
 _MAX_CONV_TAPS = 64
+# Past this many kernel entries the index maps are not found by convolving
+# positions (`_conv_maps`), one convolution per entry.
+_MAX_PROBED_TAPS = 64
 _MAX_CONV_SIZE = 1 << 22
 
 
@@ -74,7 +78,7 @@ def _conv_maps(params, lhs, rhs):
     """
     lhs_shape, rhs_shape = shape_of(lhs), shape_of(rhs)
     taps = math.prod(rhs_shape)
-    if taps > _MAX_CONV_TAPS or math.prod(lhs_shape) > _MAX_CONV_SIZE:
+    if taps > _MAX_PROBED_TAPS or math.prod(lhs_shape) > _MAX_CONV_SIZE:
         return None
     conv_params = dict(
         params,
@@ -249,12 +253,13 @@ def _conv(primals, active, **params):
     # Each output entry is a dot product over one kernel's input window.
     fan_in = math.prod(rhs.shape) // rhs.shape[rhs_spec[0]]
     muls = math.prod(out_shape) * fan_in
-    # Coordinates pay off where each output reads few inputs: a partial that meets a
-    # dense neighbour costs a gather per entry, far more than a convolution applying
-    # it as a linear map. The input partial qualifies by its fan-in, the kernel
-    # partial by its size.
+    # Coordinates pay off against sparse neighbours; against a dense one, a gather
+    # per entry costs far more than a convolution applying the partial as a linear
+    # map. A partial stored by coordinates is therefore also that map, and each
+    # product picks its form (`_indexed.mapped_choice`). The input partial
+    # qualifies by its fan-in, the kernel partial by its size.
     coordinates = (
-        active[0] and fan_in <= _MAX_CONV_TAPS,
+        active[0] and fan_in <= _MAX_CONV_FAN_IN,
         active[1] and math.prod(rhs.shape) <= _MAX_CONV_TAPS,
     )
     entries = maps = None
@@ -267,6 +272,20 @@ def _conv(primals, active, **params):
         srcs = [src[r] for src, r in zip(maps, rows, strict=True)]
         taps = [np.full(len(r), t) for t, r in enumerate(rows)]
         entries = tuple(np.concatenate(x) for x in (rows, srcs, taps))
+    linear = [
+        _linear_in(
+            lax.conv_general_dilated_p,
+            params,
+            primals,
+            i,
+            out_shape,
+            out.dtype,
+            muls=muls,
+        )
+        if active[i]
+        else None
+        for i in (0, 1)
+    ]
     partials = {}
     if entries is not None:
         rows, srcs, taps = entries
@@ -289,14 +308,10 @@ def _conv(primals, active, **params):
                 weights=(srcs, jnp.reshape(lhs, (-1,))),
             )
     for i in (0, 1):
-        if active[i] and (0, i) not in partials:
-            partials[(0, i)] = _linear_in(
-                lax.conv_general_dilated_p,
-                params,
-                primals,
-                i,
-                out_shape,
-                out.dtype,
-                muls=muls,
-            )
+        if not active[i]:
+            continue
+        if (0, i) in partials:
+            partials[(0, i)] = mapped(partials[(0, i)], linear[i])
+        else:
+            partials[(0, i)] = linear[i]
     return [out], partials
