@@ -10,10 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.sparse import bcoo_dot_general_p
 
+from .. import _jax_private as jp
 from .._indexed import from_entries, mapped
 from .._sparse import from_labeled
 from ._base import register, shape_of
+from .fallback import fallback_rule
 from .structural import _every_combination, _linear_in, _window_pairs
 
 
@@ -319,4 +322,96 @@ def _conv(primals, active, **params):
             partials[(0, i)] = mapped(partials[(0, i)], linear[i])
         else:
             partials[(0, i)] = linear[i]
+    return [out], partials
+
+
+# A product with a `jax.experimental.sparse.BCOO` matrix gets static sparse partials
+# up to this many entries.
+_MAX_BCOO_ENTRIES = 1 << 22
+
+
+def _bcoo_entries(params, indices, rhs_shape):
+    """The entries of `bcoo_dot_general(data, indices, rhs)` as a sparse matrix
+    times `rhs`: for each stored element `e` the matrix holds in bounds and each
+    index `j` over `rhs`'s free axes, the flat output position, the flat `rhs`
+    position it reads, and `e`. `None` past `_MAX_BCOO_ENTRIES`.
+
+    The output's axes are the matrix's free axes, then `rhs`'s.
+    """
+    (lc, rc), _ = params["dimension_numbers"]
+    shape = tuple(params["lhs_spinfo"].shape)
+    idx = np.asarray(indices, np.int64)
+    # Out-of-bounds indices mark padding, which every BCOO operation ignores.
+    (elements,) = np.nonzero(np.all((idx >= 0) & (idx < np.asarray(shape)), axis=1))
+    idx = idx[elements]
+    lf = [d for d in range(len(shape)) if d not in lc]
+    rf = [d for d in range(len(rhs_shape)) if d not in rc]
+    rf_shape = tuple(rhs_shape[d] for d in rf)
+    n_rf = math.prod(rf_shape)
+    if len(elements) * n_rf > _MAX_BCOO_ENTRIES:
+        return None
+    n = len(elements)
+    lhs_pos = np.ravel_multi_index(
+        tuple(idx[:, d] for d in lf), tuple(shape[d] for d in lf)
+    )
+    rows = np.asarray(lhs_pos, np.int64)[:, None] * n_rf + np.arange(n_rf)[None, :]
+    free = np.unravel_index(np.arange(n_rf), rf_shape) if rf_shape else ()
+    coords = [np.zeros((n, n_rf), np.int64)] * len(rhs_shape)
+    for k, d in enumerate(rc):
+        coords[d] = np.broadcast_to(idx[:, lc[k]][:, None], (n, n_rf))
+    for k, d in enumerate(rf):
+        coords[d] = np.broadcast_to(free[k][None, :], (n, n_rf))
+    cols = np.ravel_multi_index(tuple(coords), tuple(rhs_shape))
+    which = np.broadcast_to(elements[:, None], (n, n_rf))
+    return rows.reshape(-1), np.asarray(cols, np.int64).reshape(-1), which.reshape(-1)
+
+
+@register(bcoo_dot_general_p)
+def _bcoo_dot_general(primals, active, **params):
+    """`bcoo_dot_general(data, indices, rhs)`, a `BCOO` matrix (no batch or dense
+    axes) times a dense array, with the indices known now: the partial with respect
+    to `rhs` is the matrix itself (its stored values at static coordinates,
+    duplicates summed), the partial with respect to `data` the entries of `rhs` each
+    stored value multiplies."""
+    data, indices, rhs = primals
+    _, (lb, rb) = params["dimension_numbers"]
+    entries = None
+    if jp.is_concrete(indices) and jnp.ndim(data) == 1 and jnp.ndim(indices) == 2:
+        if not lb and not rb:
+            entries = _bcoo_entries(params, indices, shape_of(rhs))
+    if entries is None:
+        return fallback_rule(bcoo_dot_general_p, primals, active, params)
+    out = bcoo_dot_general_p.bind(data, indices, rhs, **params)
+    out_shape, rhs_shape = shape_of(out), shape_of(rhs)
+    rows, cols, which = entries
+    partials = {}
+    if active[2]:
+        n_in = max(1, math.prod(rhs_shape))
+        key = rows * n_in + cols
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        if len(first) == len(key):
+            weights = (which, jnp.reshape(data, (-1,)))
+        else:
+            # Stored duplicates add up.
+            summed = jax.ops.segment_sum(
+                jnp.take(data, which), inverse.reshape(-1), len(first)
+            )
+            rows, cols, weights = (
+                rows[first],
+                cols[first],
+                (np.arange(len(first)), summed),
+            )
+        partials[(0, 2)] = from_entries(
+            out_shape, rhs_shape, rows, cols, out.dtype, weights=weights
+        )
+        rows, cols, which = entries
+    if active[0]:
+        partials[(0, 0)] = from_entries(
+            out_shape,
+            shape_of(data),
+            rows,
+            which,
+            out.dtype,
+            weights=(cols, jnp.reshape(rhs, (-1,))),
+        )
     return [out], partials
