@@ -379,10 +379,22 @@ def _scatter_add(primals, active, **params):
 
 
 def _scatter_add_map(params, indices, upd_shape, out_shape, dtype):
-    """The static sparse partial of a scatter-add w.r.t. its updates, or `None`.
+    """The static sparse partial of a scatter-add w.r.t. its updates, or `None`."""
+    dst = _scatter_destinations(params, indices, upd_shape, out_shape)
+    if dst is None:
+        return None
+    cols = np.nonzero(dst >= 0)[0]
+    return from_entries(out_shape, upd_shape, dst[cols], cols, dtype)
+
+
+def _scatter_destinations(params, indices, upd_shape, out_shape):
+    """For each update entry of a scatter, the flat output position it lands on (-1
+    where it is dropped); `None` where the indices are not known now or the arrays
+    are too large.
 
     Each update lands on at most one output: read the destinations off the transpose
-    (a gather of the output positions), in two exact float32 halves.
+    of the scatter-add with the same indices (a gather of the output positions), in
+    two exact float32 halves.
     """
     if not jp.is_concrete(indices) or not _small_enough(upd_shape, out_shape):
         return None
@@ -397,9 +409,59 @@ def _scatter_add_map(params, indices, upd_shape, out_shape, dtype):
         for half in (position >> 12, position & 4095):
             (ct,) = transposed(half.astype(np.float32).reshape(out_shape))
             halves.append(np.asarray(ct).reshape(-1).astype(np.int64))
-    dst = (halves[0] << 12) + halves[1] - 1
-    cols = np.nonzero(dst >= 0)[0]
-    return from_entries(out_shape, upd_shape, dst[cols], cols, dtype)
+    return (halves[0] << 12) + halves[1] - 1
+
+
+def _scatter_extremum(prim, primals, active, params):
+    """`x.at[idx].max(v)`, `jax.ops.segment_max` (and `min`) with indices known now:
+    each update's partial sits at its static destination, the operand's on the
+    diagonal. Where several values reach the result (the operand's entry and the
+    updates equal to it), they share the derivative equally, as in JAX's own rule."""
+    operand, indices, updates = primals
+    out = prim.bind(operand, indices, updates, **params)
+    out_shape, upd_shape = shape_of(out), shape_of(updates)
+    dst = _scatter_destinations(params, indices, upd_shape, out_shape)
+    if dst is None:
+        return fallback_rule(prim, primals, active, params)
+    (cols,) = np.nonzero(dst >= 0)
+    rows = dst[cols]
+    dtype = out.dtype
+    n_out = math.prod(out_shape)
+    flat_out = jnp.reshape(out, (-1,))
+    reached = jnp.reshape(updates, (-1,))[cols] == flat_out[rows]
+    one, zero = jnp.ones((), dtype), jnp.zeros((), dtype)
+    count = jax.ops.segment_sum(
+        jnp.where(reached, one, zero), rows, n_out, indices_are_sorted=False
+    )
+    retained = jnp.reshape(operand, (-1,)) == flat_out
+    hit = np.bincount(rows, minlength=n_out) > 0
+    partials = {}
+    if active[0]:
+        shared = jnp.where(retained, one / (count + one), zero)
+        coef = jnp.where(jnp.asarray(hit), shared, one)
+        partials[(0, 0)] = diagonal(jnp.reshape(coef, out_shape), out_shape, dtype)
+    if active[2]:
+        normaliser = jnp.where(retained, one / (count + one), one / count)
+        coef = jnp.where(reached, normaliser[rows], zero)
+        partials[(0, 2)] = from_entries(
+            out_shape,
+            upd_shape,
+            rows,
+            cols,
+            dtype,
+            weights=(np.arange(len(cols)), coef),
+        )
+    return [out], partials
+
+
+@register(lax.scatter_max_p)
+def _scatter_max(primals, active, **params):
+    return _scatter_extremum(lax.scatter_max_p, primals, active, params)
+
+
+@register(lax.scatter_min_p)
+def _scatter_min(primals, active, **params):
+    return _scatter_extremum(lax.scatter_min_p, primals, active, params)
 
 
 @register(lax.scatter_p)
