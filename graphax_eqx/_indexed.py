@@ -89,7 +89,7 @@ class CooPattern:
         self.cols.flags.writeable = False
 
     @functools.cached_property
-    def _key(self):
+    def _key(self) -> tuple:
         # A cheap fingerprint (a sample and two sums); equality compares in full.
         step = max(1, self.nnz // 512)
         sample = (self.rows[::step] * 7919 + self.cols[::step]).tobytes()
@@ -187,7 +187,7 @@ class MappedPattern(CooPattern):
     linear: Any = None
 
     @functools.cached_property
-    def _key(self):
+    def _key(self) -> tuple:
         return CooPattern._key.func(self) + ("map", self.linear)
 
     @functools.cached_property
@@ -337,7 +337,9 @@ def as_map(x):
 
     if isinstance(x, MappedCooTensor) and x.linear is not None:
         return x.linear
-    linear = x.pattern.linear
+    pattern = x.pattern
+    assert isinstance(pattern, MappedPattern)
+    linear = pattern.linear
     x = plain_tensor(x)
     return LinearMap(
         lambda t: apply_partial(x, t), lambda y: apply_partial_t(x, y), linear, x.dtype
