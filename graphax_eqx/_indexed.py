@@ -1737,10 +1737,8 @@ def mapped_choice(pa, pb, a_val: bool, b_val: bool) -> tuple[bool, bool]:
         if _pair_count(qa, qb)[0] > MAX_PICK_PAIRS:
             cost = math.inf
     best = (False, False)
-    for choice in ((True, False), (False, True)):
-        if not (isinstance(pa, MappedPattern) if choice[0] else True):
-            continue
-        if not (isinstance(pb, MappedPattern) if choice[1] else True):
+    for choice, p in (((True, False), pa), ((False, True), pb)):
+        if not isinstance(p, MappedPattern):
             continue
         c = _map_cost(*_map_form(pa, pb, *choice), a_val, b_val)
         if c is not None and c < cost:
@@ -1803,7 +1801,7 @@ class CarriedPlan:
 
 def _mapped_plan(pa, pb, a_val: bool, b_val: bool):
     """`mixed_product_plan` where an operand has a `MappedPattern`."""
-    from ._sparse import product_plan
+    from ._sparse import plan_has_val, product_plan
 
     choice = mapped_choice(pa, pb, a_val, b_val)
     qa, qb = _map_form(pa, pb, *choice)
@@ -1820,8 +1818,6 @@ def _mapped_plan(pa, pb, a_val: bool, b_val: bool):
         # The other operand converted as well (coordinates to their labeled form).
         conv_a, conv_b = conv_a or plan.conv_a, conv_b or plan.conv_b
         plan = plan.inner
-    from ._sparse import plan_has_val
-
     has_val = plan_has_val(plan, a_val, b_val)
     return ConvertPlan(
         plan.pattern, "convert", plan.muls, 0, has_val, conv_a, conv_b, plan
@@ -1993,13 +1989,13 @@ def _carried_product(a, b, plan: CarriedPlan, dtype, final: bool):
     out, _ = run_product(plain_tensor(a), plain_tensor(b), plan.inner, dtype, final)
     assert isinstance(out, CooTensor) and out.pattern == plan.pattern.plain
     if isinstance(a.pattern, MappedPattern):
-        fa, ta = as_map(a).fn, as_map(a).tfn
-        fn = lambda t: fa(apply_partial(b, t))  # noqa: E731
-        tfn = lambda y: apply_partial_t(b, ta(y))  # noqa: E731
+        ma = as_map(a)
+        fn = lambda t: ma.fn(apply_partial(b, t))  # noqa: E731
+        tfn = lambda y: apply_partial_t(b, ma.tfn(y))  # noqa: E731
     else:
-        fb, tb = as_map(b).fn, as_map(b).tfn
-        fn = lambda t: apply_partial(a, fb(t))  # noqa: E731
-        tfn = lambda y: tb(apply_partial_t(a, y))  # noqa: E731
+        mb = as_map(b)
+        fn = lambda t: apply_partial(a, mb.fn(t))  # noqa: E731
+        tfn = lambda y: mb.tfn(apply_partial_t(a, y))  # noqa: E731
     linear = LinearMap(fn, tfn, plan.pattern.linear, jnp.dtype(dtype))
     return MappedCooTensor(out.val, plan.pattern, out.dtype, out.mask, linear)
 

@@ -393,8 +393,8 @@ def _scatter_destinations(params, indices, upd_shape, out_shape):
     are too large.
 
     Each update lands on at most one output: read the destinations off the transpose
-    of the scatter-add with the same indices (a gather of the output positions), in
-    two exact float32 halves.
+    of the scatter-add with the same indices and mode (a gather of the output
+    positions), in two exact float32 halves.
     """
     if not jp.is_concrete(indices) or not _small_enough(upd_shape, out_shape):
         return None
@@ -404,7 +404,16 @@ def _scatter_destinations(params, indices, upd_shape, out_shape):
     halves = []
     with jax.ensure_compile_time_eval():
         transposed = jax.linear_transpose(
-            lambda u: lax.scatter_add_p.bind(zeros, indices, u, **params), upd
+            lambda u: lax.scatter_add(
+                zeros,
+                indices,
+                u,
+                params["dimension_numbers"],
+                indices_are_sorted=params["indices_are_sorted"],
+                unique_indices=params["unique_indices"],
+                mode=params["mode"],
+            ),
+            upd,
         )
         for half in (position >> 12, position & 4095):
             (ct,) = transposed(half.astype(np.float32).reshape(out_shape))
