@@ -132,6 +132,7 @@ def run_task(task: task_registry.Task, budget_s: float, seed: int) -> dict[str, 
                 "traffic": c.traffic,
                 "products": c.products,
                 "fill": c.fill,
+                "gathered": c.gathered,
                 "predicted": c.predicted_time,
             }
             for name, c in costs.items()

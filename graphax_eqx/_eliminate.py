@@ -19,6 +19,7 @@ from ._indexed import (
     CooPattern,
     CooTensor,
     coo_pattern_of,
+    gathered_muls,
     mixed_product_summary,
     mixed_sum_summary,
 )
@@ -69,6 +70,14 @@ def sim_product(a: SimEdge, b: SimEdge, final: bool = False) -> tuple[SimEdge, i
 def sim_product_muls(a: SimEdge, b: SimEdge) -> int:
     """The multiplications of `sim_product(a, b)`, without its result's pattern."""
     return product_muls(a.pattern, b.pattern, a.has_val, b.has_val)
+
+
+def sim_gathered(a: SimEdge, b: SimEdge) -> int:
+    """The multiplications of `sim_product(a, b)` made over coordinates, gathering
+    both factors per entry pair (see [`graphax_eqx._indexed.gathered_muls`][])."""
+    if _coordinates(a.pattern) or _coordinates(b.pattern):
+        return gathered_muls(a.pattern, b.pattern, a.has_val, b.has_val)
+    return 0
 
 
 def sim_add(a: SimEdge, b: SimEdge) -> tuple[SimEdge, int]:

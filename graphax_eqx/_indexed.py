@@ -1850,6 +1850,25 @@ def mixed_product_muls(pa, pb, a_val: bool, b_val: bool) -> int:
     return product_plan(pa, pb, a_val, b_val).muls
 
 
+def gathered_muls(pa, pb, a_val: bool, b_val: bool) -> int:
+    """The multiplications of `mixed_product_plan(pa, pb, a_val, b_val)` made entry
+    pair by entry pair over coordinates, each gathering both factors (0 where the
+    product runs as a band, over dense free parts or as a map)."""
+    from ._band import band_product_plan
+
+    if _is_mapped(pa, pb):
+        if any(mapped_choice(pa, pb, a_val, b_val)):
+            return 0
+        pa, pb = plain(pa), plain(pb)
+    if band_product_plan(pa, pb) is not None:
+        return 0
+    entrywise, _, _, pa, pb, a_val, b_val, _ = _routed(pa, pb, a_val, b_val)
+    if not entrywise:
+        return 0
+    assert isinstance(pa, CooPattern) and isinstance(pb, CooPattern)
+    return coo_product_muls(pa, pb, a_val, b_val)
+
+
 def mixed_product_summary(pa, pb, a_val: bool, b_val: bool):
     """`(pattern, has_val, muls)` of `mixed_product_plan(pa, pb, a_val, b_val)`; a
     product of coordinates entry by entry is summarised without its entry pairs."""

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import _jax_private as jp
 from ._graph import EdgeGraph
+from ._indexed import GATHER_COST
 from ._simulator import Cost, Simulator, State
 
 
@@ -244,7 +245,7 @@ def _min_fill_score(sim: Simulator, state: State, i: int):
 
 # One elimination of a named order: the vertex id and what `Simulator.eliminate`
 # returned for it.
-Step = tuple[int, tuple[int, int, int, int, int]]
+Step = tuple[int, tuple[int, ...]]
 
 
 def greedy(sim: Simulator, score: Score, state: State | None = None) -> list[int]:
@@ -426,8 +427,16 @@ def candidates(sim: Simulator) -> dict[str, list[int]]:
 # The run-time model: a weighted sum of what the simulator counts, in units of one
 # multiplication, fitted by `python -m benchmarks.orders --fit` to the measured run
 # times of every named order on the benchmark suite (see `docs/orders.md`). On that
-# suite additions, entries written and products did not improve the fit.
-TIME_WEIGHTS = {"muls": 1.0, "adds": 0.0, "traffic": 0.0, "products": 0.0}
+# suite additions, entries written and products did not improve the fit. Gathered
+# multiplications (over coordinates) are priced at `GATHER_COST` in all, as the
+# choice between a convolution's two forms prices them; the suite hardly has them.
+TIME_WEIGHTS = {
+    "muls": 1.0,
+    "adds": 0.0,
+    "traffic": 0.0,
+    "products": 0.0,
+    "gathered": GATHER_COST - 1.0,
+}
 
 # `auto` leaves forward/reverse mode for a heuristic order only when the model
 # predicts this much saving: smaller savings were within noise or lost to XLA's
@@ -445,6 +454,7 @@ def predicted_time(cost) -> float:
         + w["adds"] * cost.adds
         + w["traffic"] * cost.traffic
         + w["products"] * cost.products
+        + w["gathered"] * cost.gathered
     )
 
 
@@ -473,7 +483,9 @@ def auto(sim: Simulator) -> list[int]:
     for name, steps in _HEURISTIC_STEPS.items():
         runs[name] = steps(sim)
     rank = {name: k for k, name in enumerate(runs)}
-    totals: dict[str, tuple[int, ...]] = dict.fromkeys(runs, (0, 0, 0, 0, 0))
+    totals: dict[str, tuple[int, ...]] = dict.fromkeys(
+        runs, (0,) * len(dataclasses.fields(Cost))
+    )
     orders: dict[str, list[int]] = {name: [] for name in runs}
     done: dict[str, tuple[float, int]] = {}
     alive = set(runs)

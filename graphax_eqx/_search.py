@@ -75,6 +75,8 @@ class EliminationCost:
         memory traffic).
     - `products`: products emitted (operations before XLA fuses them).
     - `fill`: edges the elimination created that the graph did not have.
+    - `gathered`: multiplications (of `num_muls`) made entry pair by entry pair over
+        coordinates, gathering both factors (see `docs/orders.md`).
     - `predicted_time`: the run-time model's estimate in arbitrary units (see
         `docs/orders.md`), comparable between orders of one function only.
     """
@@ -86,30 +88,28 @@ class EliminationCost:
     traffic: int
     products: int
     fill: int
+    gathered: int
     predicted_time: float
 
 
 def _full_cost(sim: Simulator, ids: Sequence[int], graph_adds: int, fp: str):
     state = sim.start()
-    muls = adds = traffic = products = fill = 0
+    total = (0,) * len(dataclasses.fields(Cost))
     per = []
     for v in ids:
-        m, a, t, p, f = sim.eliminate(state, sim.index[v])
-        muls += m
-        adds += a
-        traffic += t
-        products += p
-        fill += f
-        per.append(m)
-    cost = Cost(muls, adds, traffic, products, fill)
+        step = sim.eliminate(state, sim.index[v])
+        total = tuple(t + s for t, s in zip(total, step, strict=True))
+        per.append(step[0])
+    cost = Cost(*total)
     return EliminationCost(
         Order(tuple(int(v) for v in ids), fp),
-        muls,
-        adds + graph_adds,
+        cost.muls,
+        cost.adds + graph_adds,
         tuple(per),
-        traffic,
-        products,
-        fill,
+        cost.traffic,
+        cost.products,
+        cost.fill,
+        cost.gathered,
         predicted_time(cost),
     )
 
@@ -205,18 +205,13 @@ class _Objective:
         sim = self.sim
         if self.objective == "muls":
             return acc + sim.muls(order, state)
-        muls, adds, traffic, products, fill = acc
         for i in order:
-            m, a, t, p, f = sim.eliminate(state, i)
-            muls += m
-            adds += a
-            traffic += t
-            products += p
-            fill += f
-        return (muls, adds, traffic, products, fill)
+            step = sim.eliminate(state, i)
+            acc = tuple(a + s for a, s in zip(acc, step, strict=True))
+        return acc
 
     def _zero(self):
-        return 0 if self.objective == "muls" else (0, 0, 0, 0, 0)
+        return 0 if self.objective == "muls" else (0,) * len(dataclasses.fields(Cost))
 
     def _shift(self, acc, new, old):
         """`acc + new - old`, for either kind of accumulator."""

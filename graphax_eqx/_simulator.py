@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from ._eliminate import (
     SimEdge,
     sim_add,
+    sim_gathered,
     sim_product,
     sim_product_muls,
     structurally_zero,
@@ -39,6 +40,9 @@ class Cost:
     - `traffic`: entries written by the products and sums, a measure of memory traffic.
     - `products`: products emitted (one kernel each before XLA fuses them).
     - `fill`: edges created that did not exist before.
+    - `gathered`: the multiplications (of `muls`) made entry pair by entry pair over
+        coordinates, each gathering both factors: several times the time of one
+        over dense or diagonal values.
     """
 
     muls: int
@@ -46,6 +50,7 @@ class Cost:
     traffic: int
     products: int
     fill: int
+    gathered: int = 0
 
 
 class State:
@@ -128,6 +133,8 @@ class Simulator:
         self._zero: list[bool] = []
         self._prod: dict[int, tuple[int, int]] = {}
         self._muls: dict[int, int] = {}
+        # Gathered multiplications of the products in `_prod` that have any.
+        self._gathered: dict[int, int] = {}
         self._sum: dict[int, tuple[int, int]] = {}
         n = len(self.vertices)
         pred: list[dict[int, int]] = [{} for _ in range(n)]
@@ -163,6 +170,10 @@ class Simulator:
             edge, muls = sim_product(self._edges[a], self._edges[b])
             found = (self._intern(edge), int(muls))
             self._prod[key] = found
+            if muls:
+                gathered = sim_gathered(self._edges[a], self._edges[b])
+                if gathered:
+                    self._gathered[key] = int(gathered)
         return found
 
     def _add(self, a: int, b: int) -> tuple[int, int]:
@@ -216,10 +227,11 @@ class Simulator:
         """A fresh state: nothing eliminated yet."""
         return self._initial.owned_copy()
 
-    def eliminate(self, state: State, i: int) -> tuple[int, int, int, int, int]:
+    def eliminate(self, state: State, i: int) -> tuple[int, int, int, int, int, int]:
         """Eliminate internal vertex `i` in place.
 
-        Returns (multiplications, additions, entries written, products, new edges).
+        Returns (multiplications, additions, entries written, products, new edges,
+        gathered multiplications): the fields of a [`Cost`][].
         """
         pred, succ = state.pred, state.succ
         ins = pred[i]
@@ -227,17 +239,20 @@ class Simulator:
         _detach(state, i, ins, outs)
         state.remaining.discard(i)
         prod, sums, add, wr = self._prod, self._sum, self._add, self._written
-        zero = self._zero
-        muls = adds = traffic = fill = 0
+        zero, gath = self._zero, self._gathered
+        muls = adds = traffic = fill = gathered = 0
         outs_items = list(outs.items())
         for u, b in ins.items():
             su = succ[u]
             for w, a in outs_items:
-                found = prod.get(a * _SHIFT + b)
+                key = a * _SHIFT + b
+                found = prod.get(key)
                 if found is None:
                     found = self._product(a, b)
                 c, m = found
-                muls += m
+                if m:
+                    muls += m
+                    gathered += gath.get(key, 0)
                 if zero[c]:
                     continue
                 traffic += wr[c]
@@ -253,7 +268,7 @@ class Simulator:
                     fill += 1
                 su[w] = c
                 pred[w][u] = c
-        return muls, adds, traffic, len(ins) * len(outs_items), fill
+        return muls, adds, traffic, len(ins) * len(outs_items), fill, gathered
 
     def vertex_muls(self, state: State, i: int) -> int:
         """Multiplications eliminating internal vertex `i` would cost now."""
@@ -301,17 +316,13 @@ class Simulator:
         order would satisfy it too)."""
         state = self.start() if state is None else state.copy()
         index = self.index
-        muls = adds = traffic = products = fill = 0
+        total = (0,) * len(dataclasses.fields(Cost))
         for v in order:
-            m, a, t, p, f = self.eliminate(state, index[v])
-            muls += m
-            adds += a
-            traffic += t
-            products += p
-            fill += f
-            if stop is not None and stop(Cost(muls, adds, traffic, products, fill)):
+            step = self.eliminate(state, index[v])
+            total = tuple(t + s for t, s in zip(total, step, strict=True))
+            if stop is not None and stop(Cost(*total)):
                 return None
-        return Cost(muls, adds, traffic, products, fill)
+        return Cost(*total)
 
     def muls(self, order: Sequence[int], state: State | None = None) -> int:
         """Multiplications of `order` (internal indices), the search's hot path.
@@ -356,7 +367,7 @@ class Simulator:
         muls = adds = 0
         per = []
         for v in order:
-            m, a, _, _, _ = self.eliminate(state, self.index[v])
+            m, a, *_ = self.eliminate(state, self.index[v])
             muls += m
             adds += a
             per.append(m)
