@@ -41,8 +41,9 @@ class Cost:
     - `products`: products emitted (one kernel each before XLA fuses them).
     - `fill`: edges created that did not exist before.
     - `gathered`: the multiplications (of `muls`) made entry pair by entry pair over
-        coordinates, each gathering both factors: several times the time of one
-        over dense or diagonal values.
+        coordinates, gathering both factors, by products that could have applied a
+        convolution's partial as the convolution instead (see
+        [`graphax_eqx._indexed.gathered_muls`][]).
     """
 
     muls: int

@@ -227,27 +227,40 @@ def _stencil(u):
     return u[2:] - 2 * u[1:-1] + u[:-2] + jnp.sin(u[1:-1]) ** 3
 
 
-@pytest.mark.parametrize("n", [12, 200])
+_TAPS = jnp.array([0.5, -1.0, 2.0])
+
+
+def _smoothed(x):
+    y = jax.lax.conv_general_dilated(
+        jnp.sin(x)[None, None], _TAPS[None, None], (1,), "VALID"
+    )
+    return jnp.cos(y[0, 0])
+
+
+@pytest.mark.parametrize("n", [12, 50])
 def test_gathered_multiplications_by_hand(n):
-    # Forward order multiplies values held at the slices' coordinates: -1 into the
-    # n - 2 entries of ∂(2s)/∂u, and 3 sin(s)² into the n - 2 entries of cos(s)
-    # gathered onto the slice: all 2 (n - 2) multiplications gather. Reverse order
-    # multiplies the elementwise derivatives (and two scalars) before any slice
-    # moves them: none gathers.
+    # Either order multiplies the convolution's 3 (n - 2) coordinate entries by an
+    # elementwise derivative twice (cos x on one side, -sin y on the other). Neither
+    # product can run as the convolution (a map meeting a diagonal stays a lazy map,
+    # applied nowhere), so all 2 · 3 (n - 2) multiplications gather pairs, where a
+    # map form was on offer: each counts `GATHER_COST` in the time model.
     from graphax_eqx._indexed import GATHER_COST
 
-    u = jnp.linspace(0.5, 1.5, n)
-    fwd = gx.elimination_cost(_stencil, order="fwd")(u)
-    rev = gx.elimination_cost(_stencil, order="rev")(u)
-    assert (fwd.num_muls, fwd.gathered) == (2 * (n - 2), 2 * (n - 2))
-    assert (rev.num_muls, rev.gathered) == ((n - 2) + 1, 0)
-    assert fwd.predicted_time == GATHER_COST * fwd.num_muls
-    assert rev.predicted_time == rev.num_muls
+    x = jnp.linspace(0.1, 1.0, n)
+    for order in ("fwd", "rev", "markowitz"):
+        cost = gx.elimination_cost(_smoothed, order=order)(x)
+        assert cost.num_muls == cost.gathered == 6 * (n - 2)
+        assert cost.predicted_time == GATHER_COST * cost.num_muls
 
 
-def test_no_gathers_without_coordinates():
+def test_no_gathers_priced_without_convolutions():
+    # Products over coordinates with no map form on offer (slices, index maps) and
+    # dense programs count no gathered multiplications: there the run times of the
+    # orders follow no such count (docs/orders.md).
+    u = jnp.linspace(0.5, 1.5, 12)
     task, args = _task_args("RoeFlux_1d")
     for order in NAMED:
+        assert gx.elimination_cost(_stencil, order)(u).gathered == 0
         assert gx.elimination_cost(task.fn, order, task.argnums)(*args).gathered == 0
 
 
