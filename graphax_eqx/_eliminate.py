@@ -120,6 +120,20 @@ def structurally_zero(edge) -> bool:
     return isinstance(p, CooPattern) and p.nnz == 0
 
 
+def _value_free(edge) -> bool:
+    """Whether a partial (or its `SimEdge`) stores no values: a pure index map."""
+    if isinstance(edge, SimEdge):
+        return not edge.has_val
+    return isinstance(edge, (SparseTensor, CooTensor)) and edge.val is None
+
+
+def _meets_no_values(graph: EdgeGraph, u: int) -> bool:
+    """Whether an edge from `u` can only be multiplied by pure index maps from now
+    on: `u` is an input, or every edge into it comes from an input (those edges
+    never change, inputs not being eliminated) and stores no values."""
+    return u < 0 or all(p < 0 and _value_free(e) for p, e in graph.pred[u].items())
+
+
 def eliminate_vertex(graph: EdgeGraph, v: int, mul: Mul, plus: Mul) -> tuple[int, int]:
     """Eliminate `v` in place; returns (multiplications, additions)."""
     ins = graph.pred.pop(v)
@@ -130,10 +144,12 @@ def eliminate_vertex(graph: EdgeGraph, v: int, mul: Mul, plus: Mul) -> tuple[int
         del graph.pred[w][v]
     muls = adds = 0
     for u, e_uv in ins.items():
+        # An edge from `u` to an output (no successors) is never multiplied again
+        # by a factor with values (infinite ones, say), so which of its entries are
+        # selected away need not be known (`final`).
+        last = _meets_no_values(graph, u)
         for w, e_vw in outs.items():
-            # An edge from an input (negative id) to an output (no successors) is
-            # never multiplied again.
-            edge, m = mul(e_vw, e_uv, final=u < 0 and not graph.succ[w])
+            edge, m = mul(e_vw, e_uv, final=last and not graph.succ[w])
             muls += m
             if structurally_zero(edge):
                 continue

@@ -1186,6 +1186,25 @@ def _select_away(val: Array, mask: Array | None) -> Array:
     return lax.select(mask, lax.full_like(val, 0), val)
 
 
+# Values up to this many entries are checked for infinite entries at trace time (see
+# `_known_finite`); larger ones are taken as possibly infinite.
+_MAX_FINITE_CHECK = 1 << 24
+
+
+def _known_finite(x) -> bool:
+    """Whether `x` is a value known at trace time (a constant, not traced) with no
+    infinite or NaN entry. A selection moved onto such a factor changes nothing (its
+    selected terms are zero times a finite number), so the select is left out: it
+    would write a copy of the factor, a weight matrix say, on every call."""
+    if not jp.is_concrete(x) or not isinstance(x, (jax.Array, np.ndarray)):
+        return False
+    if x.size > _MAX_FINITE_CHECK:
+        return False
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return True
+    return bool(np.isfinite(np.asarray(x)).all())
+
+
 def _masked_contraction(operands, subs, masks, owners, out_sub: str, dtype):
     """The contraction of `operands` into `out_sub` where a mask varies along a
     summed letter, and its mask: an entry is selected away when all its terms are.
@@ -1213,7 +1232,7 @@ def _masked_contraction(operands, subs, masks, owners, out_sub: str, dtype):
         if not set(letters) & set(summed):
             continue  # selected away on the result
         other = 1 - owner
-        if not set(letters) <= set(subs[other]):
+        if not set(letters) <= set(subs[other]) or _known_finite(moved[other]):
             continue
         shape = tuple(moved[other].shape)
         moved[other] = _select_away(

@@ -428,6 +428,98 @@ def test_final_products_apply_a_map_once(order):
         )
 
 
+def test_products_through_index_maps_apply_a_map_once():
+    """An input Jacobian of a CNN in reverse order: the convolution's transpose meets
+    the cotangent after the ReLU and the max pool (which select entries away), and
+    its result reaches the input through the unit axis `eqx.nn.Conv2d` adds, a pure
+    index map. Nothing with values multiplies that result again, so the transpose
+    runs once, with no second run on a probe of the selected-away entries."""
+    import equinox as eqx
+
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    cnn = eqx.nn.Sequential(
+        [
+            eqx.nn.Conv2d(3, 8, 3, key=k[0]),
+            eqx.nn.Lambda(jax.nn.relu),
+            eqx.nn.MaxPool2d(2, 2),
+            eqx.nn.Lambda(jnp.ravel),
+            eqx.nn.Linear(8 * 7 * 7, 10, key=k[1]),
+        ]
+    )
+    x = jax.random.normal(k[2], (3, 16, 16))
+    jac = gx.jacve(cnn, order="rev")
+    # The forward convolution and one transposed application.
+    assert _convolutions(jax.make_jaxpr(jac)(x).jaxpr) == 2
+    np.testing.assert_allclose(
+        jax.jit(jac)(x), jax.jacrev(cnn)(x), rtol=1e-5, atol=1e-6
+    )
+    special = x.at[0, 0, :3].set(jnp.array([jnp.nan, jnp.inf, -jnp.inf]))
+    with np.errstate(all="ignore"):
+        for order in _ORDERS:
+            _check(
+                gx.jacve(cnn, order=order)(special),
+                jax.jacfwd(cnn)(special),
+                jax.jacrev(cnn)(special),
+                f"{order} at NaN and infinite inputs",
+            )
+
+
+def _selected_consts(jaxpr) -> int:
+    """Selects that take a matrix constant of `jaxpr` as an operand."""
+    consts = {v for v in jaxpr.constvars if v.aval.ndim == 2}
+    return sum(
+        e.primitive is jax.lax.select_n_p and any(v in consts for v in e.invars)
+        for e in jaxpr.eqns
+    )
+
+
+@pytest.mark.parametrize("order", _ORDERS)
+def test_known_finite_weights_are_not_selected(order):
+    """A ReLU's selected-away entries meet the next weight matrix inside a
+    contraction. Against a factor that may be infinite the selection is moved onto
+    it (a select writing a copy of the matrix on every call); a constant known to be
+    finite at trace time needs none."""
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    w1 = jax.random.normal(k[0], (64, 16))
+    w2 = jax.random.normal(k[1], (8, 64))
+    x = jax.random.normal(k[2], (16,))
+
+    def net(w2, x):
+        return w2 @ jax.nn.relu(w1 @ x)
+
+    def known(x):
+        return net(w2, x)
+
+    program = jax.make_jaxpr(gx.jacve(known, order=order))(x).jaxpr
+    assert len(program.constvars) == 2
+    assert _selected_consts(program) == 0
+    np.testing.assert_allclose(
+        jax.jit(gx.jacve(known, order=order))(x), jax.jacrev(known)(x), rtol=1e-5
+    )
+    # An infinite entry where the ReLU selects its input away: as before.
+    inactive = int(jnp.argmin(w1 @ x))
+    w2_inf = w2.at[0, inactive].set(jnp.inf)
+
+    def infinite(x):
+        return net(w2_inf, x)
+
+    with np.errstate(all="ignore"):
+        _check(
+            jax.jit(gx.jacve(infinite, order=order))(x),
+            jax.jacfwd(infinite)(x),
+            jax.jacrev(infinite)(x),
+            f"{order}, an infinite weight",
+        )
+        # Traced weights (arguments of the jitted function) keep the selection.
+        traced = jax.jit(lambda w, x: gx.jacve(lambda x: net(w, x), order=order)(x))
+        _check(
+            traced(w2_inf, x),
+            jax.jacfwd(infinite)(x),
+            jax.jacrev(infinite)(x),
+            f"{order}, an infinite traced weight",
+        )
+
+
 @pytest.mark.parametrize("order", ["fwd", "rev"])
 def test_quotient_partials_at_zeros_and_infinities(order):
     """Both partials of `x / y` share one reciprocal of `y` (one division fewer per
