@@ -1852,14 +1852,16 @@ def mixed_product_muls(pa, pb, a_val: bool, b_val: bool) -> int:
 
 def gathered_muls(pa, pb, a_val: bool, b_val: bool) -> int:
     """The multiplications of `mixed_product_plan(pa, pb, a_val, b_val)` made entry
-    pair by entry pair over coordinates, each gathering both factors, where an
-    operand could have been applied as a map instead (a `MappedPattern`: see
-    `mapped_choice`). 0 for every other product."""
+    pair by entry pair over coordinates, each gathering both factors and summing the
+    pairs by segment (0 where the product runs as a band, over dense free parts or as
+    a map). Each costs several times a multiplication of a dense `dot_general` or of
+    a convolution (`GATHER_COST`)."""
     from ._band import band_product_plan
 
-    if not _is_mapped(pa, pb) or any(mapped_choice(pa, pb, a_val, b_val)):
-        return 0
-    pa, pb = plain(pa), plain(pb)
+    if _is_mapped(pa, pb):
+        if any(mapped_choice(pa, pb, a_val, b_val)):
+            return 0
+        pa, pb = plain(pa), plain(pb)
     if band_product_plan(pa, pb) is not None:
         return 0
     entrywise, _, _, pa, pb, a_val, b_val, _ = _routed(pa, pb, a_val, b_val)

@@ -428,9 +428,9 @@ def candidates(sim: Simulator) -> dict[str, list[int]]:
 # multiplication, fitted by `python -m benchmarks.orders --fit` to the measured run
 # times of every named order on the benchmark suite (see `docs/orders.md`). On that
 # suite additions, entries written and products did not improve the fit. Gathered
-# multiplications (over coordinates, where a convolution could have been applied
-# instead) cost `GATHER_COST` in all, as in the choice between a convolution's two
-# forms (`_indexed.mapped_choice`); the suite has none.
+# multiplications (entry pair by entry pair over coordinates) cost `GATHER_COST` in
+# all, as in the choice between a convolution's two forms (`_indexed.mapped_choice`);
+# the suite has few of them (see `docs/orders.md`).
 TIME_WEIGHTS = {
     "muls": 1.0,
     "adds": 0.0,

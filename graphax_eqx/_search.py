@@ -76,8 +76,7 @@ class EliminationCost:
     - `products`: products emitted (operations before XLA fuses them).
     - `fill`: edges the elimination created that the graph did not have.
     - `gathered`: multiplications (of `num_muls`) made entry pair by entry pair over
-        coordinates, gathering both factors, where a convolution could have been
-        applied instead (see `docs/orders.md`).
+        coordinates, gathering both factors (see `docs/orders.md`).
     - `predicted_time`: the run-time model's estimate in arbitrary units (see
         `docs/orders.md`), comparable between orders of one function only.
     """

@@ -41,8 +41,7 @@ class Cost:
     - `products`: products emitted (one kernel each before XLA fuses them).
     - `fill`: edges created that did not exist before.
     - `gathered`: the multiplications (of `muls`) made entry pair by entry pair over
-        coordinates, gathering both factors, by products that could have applied a
-        convolution's partial as the convolution instead (see
+        coordinates, gathering both factors (see
         [`graphax_eqx._indexed.gathered_muls`][]).
     """
 
