@@ -23,6 +23,7 @@ import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.sparse.bcoo import bcoo_transpose_p
 
 from . import _jax_private as jp
 from ._complex import realify
@@ -558,13 +559,20 @@ class EdgeGraph:
 _FOLD_SIZE = 1 << 24
 
 
+# Operations that only move entries: computed at trace time with their float values
+# too when their integer results are (the indices of `K.T` for a constant sparse
+# matrix `K`), as nothing is rounded.
+_MOVES_ENTRIES = frozenset({bcoo_transpose_p})
+
+
 def _foldable(eqn: Eqn, ins: Sequence[Any], avals) -> bool:
     if "callback" in str(eqn.prim) or not all(jp.is_concrete(x) for x in ins):
         return False
     size = 0
     for v in eqn.outvars:
         shape, dtype = avals[v]
-        if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)):
+        exact = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)
+        if not exact and eqn.prim not in _MOVES_ENTRIES:
             return False
         size += math.prod(shape)
     return size <= _FOLD_SIZE

@@ -36,6 +36,19 @@ _THREE_AXES = sparse.BCOO.fromdense(
     _rng(1).normal(size=(4, _N, 3)) * (_rng(2).uniform(size=(4, _N, 3)) > 0.5)
 )
 _BATCHED = sparse.BCOO.fromdense(np.stack([np.asarray(_K.todense())] * 2), n_batch=1)
+# Negative indices count from the end (as in NumPy and JAX's own BCOO operations);
+# -9 and 8 are out of bounds either way, and mark padding.
+_NEGATIVE = sparse.BCOO(
+    (
+        jnp.asarray([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+        jnp.asarray([[0, 1], [-1, 2], [2, -1], [-8, -3], [-9, 0], [8, 1]]),
+    ),
+    shape=(_N, _N),
+)
+_VECTOR = sparse.BCOO(
+    (jnp.asarray([1.0, 2.0, 3.0]), jnp.asarray([[1], [1], [-2]])), shape=(_N,)
+)
+_SQUARE = sparse.BCOO.fromdense(np.asarray([[0.0, 1.0], [2.0, 0.0]]))
 
 
 def _vector(shape=(_N,), seed=3):
@@ -59,6 +72,21 @@ _CASES = {
     "values": (
         lambda d: jnp.sin(sparse.BCOO((d, _K.indices), shape=_K.shape) @ _vector()),
         _K.data + 1.0,
+    ),
+    "negative_indices": (lambda u: jnp.sin(_NEGATIVE @ u), _vector()),
+    "negative_indices_transposed": (lambda u: _NEGATIVE.T @ jnp.sin(u), _vector()),
+    # Every axis of the matrix contracted: a scalar result.
+    "contract_all": (
+        lambda u: sparse.bcoo_dot_general(
+            _VECTOR, jnp.sin(u), dimension_numbers=(((0,), (0,)), ((), ()))
+        ),
+        _vector(),
+    ),
+    "contract_both_axes": (
+        lambda u: sparse.bcoo_dot_general(
+            _SQUARE, jnp.sin(u), dimension_numbers=(((0, 1), (0, 1)), ((), ()))
+        ),
+        _vector((2, 2)),
     ),
     # Not static: indices computed inside the function, and a batch axis.
     "traced_indices": (
@@ -89,15 +117,27 @@ def test_bcoo_products(name, order, sparse_out, jit):
     jac, counts = (jax.jit(jacobian) if jit else jacobian)(x)
     dense = jac.dense() if sparse_out else jac
     np.testing.assert_allclose(dense, expected, rtol=1e-12, atol=1e-12)
-    if not jit and name != "traced_indices":
+    if jit or name != "traced_indices":
         # (Eagerly, indices computed from the input are known: that call's pattern,
-        # which `elimination_cost`, tracing abstractly, cannot see.)
+        # which `elimination_cost`, tracing abstractly, cannot see. Under `jit`, the
+        # indices of `K.T` for a constant `K` are computed at trace time, as
+        # `elimination_cost` computes them.)
         cost = graphax_eqx.elimination_cost(fun, order=order)(x)
         assert int(counts["num_muls"]) == cost.num_muls
 
 
 @pytest.mark.parametrize(
-    "name", ["matvec", "vecmat", "matmat", "transposed", "duplicates", "three_axes"]
+    "name",
+    [
+        "matvec",
+        "vecmat",
+        "matmat",
+        "transposed",
+        "duplicates",
+        "three_axes",
+        "negative_indices",
+        "negative_indices_transposed",
+    ],
 )
 def test_bcoo_products_keep_the_operator_pattern(name):
     fun, x = _CASES[name]

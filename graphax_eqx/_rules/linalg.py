@@ -340,9 +340,12 @@ def _bcoo_entries(params, indices, rhs_shape):
     """
     (lc, rc), _ = params["dimension_numbers"]
     shape = tuple(params["lhs_spinfo"].shape)
+    bounds = np.asarray(shape, np.int64)
     idx = np.asarray(indices, np.int64)
-    # Out-of-bounds indices mark padding, which every BCOO operation ignores.
-    (elements,) = np.nonzero(np.all((idx >= 0) & (idx < np.asarray(shape)), axis=1))
+    # Negative indices count from the end, as in NumPy and JAX's own BCOO operations;
+    # indices still out of bounds mark padding, which every BCOO operation ignores.
+    idx = np.where(idx < 0, idx + bounds, idx)
+    (elements,) = np.nonzero(np.all((idx >= 0) & (idx < bounds), axis=1))
     idx = idx[elements]
     lf = [d for d in range(len(shape)) if d not in lc]
     rf = [d for d in range(len(rhs_shape)) if d not in rc]
@@ -351,9 +354,12 @@ def _bcoo_entries(params, indices, rhs_shape):
     if len(elements) * n_rf > _MAX_BCOO_ENTRIES:
         return None
     n = len(elements)
-    lhs_pos = np.ravel_multi_index(
-        tuple(idx[:, d] for d in lf), tuple(shape[d] for d in lf)
-    )
+    if lf:
+        lhs_pos = np.ravel_multi_index(
+            tuple(idx[:, d] for d in lf), tuple(shape[d] for d in lf)
+        )
+    else:  # every axis of the matrix contracted: one output row
+        lhs_pos = np.zeros(n, np.int64)
     rows = np.asarray(lhs_pos, np.int64)[:, None] * n_rf + np.arange(n_rf)[None, :]
     free = np.unravel_index(np.arange(n_rf), rf_shape) if rf_shape else ()
     coords = [np.zeros((n, n_rf), np.int64)] * len(rhs_shape)
@@ -361,7 +367,10 @@ def _bcoo_entries(params, indices, rhs_shape):
         coords[d] = np.broadcast_to(idx[:, lc[k]][:, None], (n, n_rf))
     for k, d in enumerate(rf):
         coords[d] = np.broadcast_to(free[k][None, :], (n, n_rf))
-    cols = np.ravel_multi_index(tuple(coords), tuple(rhs_shape))
+    if rhs_shape:
+        cols = np.ravel_multi_index(tuple(coords), tuple(rhs_shape))
+    else:
+        cols = np.zeros((n, n_rf), np.int64)
     which = np.broadcast_to(elements[:, None], (n, n_rf))
     return rows.reshape(-1), np.asarray(cols, np.int64).reshape(-1), which.reshape(-1)
 
