@@ -29,6 +29,7 @@ from . import _jax_private as jp
 from ._complex import realify
 from ._indexed import densify_small_blocks
 from ._rules import control, get_rule, zero_derivative
+from ._rules._base import outputs_needed
 from ._rules.custom import check_rules_inside
 from ._rules.elementwise import computed_once
 from ._sparse import LinearMap, add, diagonal, should_materialise, to_sparse
@@ -644,7 +645,8 @@ def evaluate(
         need = [isinstance(a, int) and a in vid for a in eqn.invars]
         if any(o is not None for o in out_vertices) and any(need):
             check_rules_inside(eqn.prim, eqn.params, need)
-            outs, partials = get_rule(eqn.prim)(ins, need, **eqn.params)
+            with outputs_needed(eqn.prim, [o is not None for o in out_vertices]):
+                outs, partials = get_rule(eqn.prim)(ins, need, **eqn.params)
             for (k, i), partial in partials.items():
                 w = out_vertices[k]
                 if w is None or not need[i] or 0 in partial.shape:

@@ -983,3 +983,46 @@ def test_nextafter_has_no_derivative():
         gx.jacve(lambda x: jnp.nextafter(jnp.ones(2), jnp.inf) * x)(x),
         np.diag(np.nextafter(np.ones(2), np.inf)),
     )
+
+
+def _shapes(jaxpr, found):
+    for e in jaxpr.eqns:
+        found.update(tuple(v.aval.shape) for v in e.outvars)
+        for p in e.params.values():
+            sub = getattr(p, "jaxpr", p)
+            if hasattr(sub, "eqns"):
+                _shapes(sub, found)
+    return found
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "auto"])
+def test_reverse_only_rules_pull_back_needed_outputs_only(order):
+    # A `custom_vjp` function has no forward mode, so its local Jacobian takes one
+    # pullback per output entry. Of its 37 + 41 outputs only the first 37 lead to
+    # the result: the pullbacks run on 37 rows, not 78.
+    rng = np.random.default_rng(0)
+    w1 = jnp.asarray(rng.normal(size=(37, 16)), jnp.float32)
+    w2 = jnp.asarray(rng.normal(size=(41, 16)), jnp.float32)
+
+    @jax.custom_vjp
+    def both(x):
+        return w1 @ x, jnp.tanh(w2 @ x)
+
+    def both_fwd(x):
+        return both(x), x
+
+    def both_bwd(x, ct):
+        a, b = ct
+        return (w1.T @ a + w2.T @ (b * (1 - jnp.tanh(w2 @ x) ** 2)),)
+
+    both.defvjp(both_fwd, both_bwd)
+
+    def f(x):
+        return jnp.sin(both(x)[0])
+
+    x = jnp.linspace(0.0, 1.0, 16)
+    shapes = _shapes(jax.make_jaxpr(gx.jacve(f, order=order))(x).jaxpr, set())
+    assert not any(78 in s for s in shapes), sorted(s for s in shapes if 78 in s)
+    np.testing.assert_allclose(
+        jax.jit(gx.jacve(f, order=order))(x), jax.jacrev(f)(x), rtol=1e-5, atol=1e-6
+    )

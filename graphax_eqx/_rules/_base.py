@@ -7,6 +7,8 @@ partial, and the equation's params. It returns the primal outputs and a dict
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +30,34 @@ rules: dict[Any, Rule] = {}
 
 # Primitives whose outputs have zero derivative with respect to every input.
 zero_derivative: set[Any] = set()
+
+
+# Which outputs of the equation being evaluated lead to a differentiated output, as
+# `(primitive, mask)`: a rule that differentiates the whole equation by JAX's own
+# modes (`dense_jacobian`) leaves the others out, as a reverse pass for each of
+# their entries would cost as much as one for a needed entry.
+_NEEDED: contextvars.ContextVar[tuple[Any, tuple[bool, ...]] | None] = (
+    contextvars.ContextVar("graphax_eqx_needed_outputs", default=None)
+)
+
+
+@contextlib.contextmanager
+def outputs_needed(prim, mask: Sequence[bool]):
+    """Within the block, rules for `prim` may read `mask` (see `needed_outputs`)."""
+    token = _NEEDED.set((prim, tuple(mask)))
+    try:
+        yield
+    finally:
+        _NEEDED.reset(token)
+
+
+def needed_outputs(prim, n: int) -> tuple[bool, ...]:
+    """Which of the `n` outputs of the `prim` equation being evaluated are needed
+    (all of them outside `outputs_needed`, or for another equation)."""
+    found = _NEEDED.get()
+    if found is None or found[0] is not prim or len(found[1]) != n:
+        return (True,) * n
+    return found[1]
 
 
 def register(*primitives) -> Callable[[Rule], Rule]:

@@ -17,7 +17,7 @@ from jax import lax
 
 from .. import _jax_private as jp
 from .._sparse import dense
-from ._base import active_indices, is_float, shape_of
+from ._base import active_indices, is_float, needed_outputs, shape_of
 
 
 _FORWARD_ONLY = {lax.while_p}
@@ -27,7 +27,8 @@ _REVERSE_ONLY = {jp.custom_vjp_call_p}
 def dense_jacobian(prim, params, primals, active, outs, modes=None):
     """Dense partials `{(k, i): ∂out_k/∂in_i}` of one equation."""
     idx = active_indices(active)
-    float_outs = [k for k, o in enumerate(outs) if is_float(o)]
+    needed = needed_outputs(prim, len(outs))
+    float_outs = [k for k, o in enumerate(outs) if is_float(o) and needed[k]]
     if not idx or not float_outs:
         return {}
 
