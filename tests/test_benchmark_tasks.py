@@ -201,3 +201,16 @@ def test_sparse_suite_sizes_and_probe_reference():
     np.testing.assert_allclose(
         sparse._probe_products(fn, x, probe), jac @ probe, rtol=1e-5, atol=1e-4
     )
+
+
+def test_models_script(capsys):
+    from benchmarks import models
+
+    models.main(["--quick", "--only", "Linear,ForwardMode"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 3, out  # the header and two programs
+    linear, lorenz = rows[1].split(" | "), rows[2].split(" | ")
+    assert linear[0] == "| Linear 64 → 64" and linear[-1] == "rev |"
+    # `jax.jacrev` cannot differentiate that solve (a `while_loop`).
+    assert lorenz[5] == "–"
