@@ -1828,47 +1828,42 @@ def _is_mapped(pa, pb) -> bool:
     return isinstance(pa, MappedPattern) or isinstance(pb, MappedPattern)
 
 
-def mixed_product_muls(pa, pb, a_val: bool, b_val: bool) -> int:
-    """The multiplications of `mixed_product_plan(pa, pb, a_val, b_val)`; products
-    of coordinates are counted without being planned (scoring an elimination needs
-    no more, and a product of millions of entry pairs takes seconds to plan)."""
+def _counted_product(pa, pb, a_val: bool, b_val: bool) -> tuple[int, int]:
+    """`(multiplications, gathered ones)` of `mixed_product_plan(pa, pb, a_val,
+    b_val)`. Products of coordinates are counted without being planned (scoring an
+    elimination needs no more, and a product of millions of entry pairs takes
+    seconds to plan). Gathered: made entry pair by entry pair over coordinates, each
+    gathering both factors and summing the pairs by segment, several times the cost
+    of a multiplication of a dense `dot_general` or a convolution (`GATHER_COST`);
+    none where the product runs as a band, over dense free parts or as a map."""
     from ._band import band_product_plan
     from ._sparse import product_plan
 
     if _is_mapped(pa, pb):
-        choice = mapped_choice(pa, pb, a_val, b_val)
-        if any(choice):
-            return _mapped_plan(pa, pb, a_val, b_val).muls
+        if any(mapped_choice(pa, pb, a_val, b_val)):
+            return _mapped_plan(pa, pb, a_val, b_val).muls, 0
         pa, pb = plain(pa), plain(pb)
     band = band_product_plan(pa, pb)
     if band is not None:
-        return band.muls
+        return band.muls, 0
     entrywise, _, _, pa, pb, a_val, b_val, _ = _routed(pa, pb, a_val, b_val)
     if entrywise:
         assert isinstance(pa, CooPattern) and isinstance(pb, CooPattern)
-        return coo_product_muls(pa, pb, a_val, b_val)
-    return product_plan(pa, pb, a_val, b_val).muls
+        muls = coo_product_muls(pa, pb, a_val, b_val)
+        return muls, muls
+    return product_plan(pa, pb, a_val, b_val).muls, 0
+
+
+def mixed_product_muls(pa, pb, a_val: bool, b_val: bool) -> int:
+    """The multiplications of `mixed_product_plan(pa, pb, a_val, b_val)` (see
+    `_counted_product`)."""
+    return _counted_product(pa, pb, a_val, b_val)[0]
 
 
 def gathered_muls(pa, pb, a_val: bool, b_val: bool) -> int:
-    """The multiplications of `mixed_product_plan(pa, pb, a_val, b_val)` made entry
-    pair by entry pair over coordinates, each gathering both factors and summing the
-    pairs by segment (0 where the product runs as a band, over dense free parts or as
-    a map). Each costs several times a multiplication of a dense `dot_general` or of
-    a convolution (`GATHER_COST`)."""
-    from ._band import band_product_plan
-
-    if _is_mapped(pa, pb):
-        if any(mapped_choice(pa, pb, a_val, b_val)):
-            return 0
-        pa, pb = plain(pa), plain(pb)
-    if band_product_plan(pa, pb) is not None:
-        return 0
-    entrywise, _, _, pa, pb, a_val, b_val, _ = _routed(pa, pb, a_val, b_val)
-    if not entrywise:
-        return 0
-    assert isinstance(pa, CooPattern) and isinstance(pb, CooPattern)
-    return coo_product_muls(pa, pb, a_val, b_val)
+    """The multiplications of `mixed_product_plan(pa, pb, a_val, b_val)` made over
+    coordinates, gathering both factors per entry pair (see `_counted_product`)."""
+    return _counted_product(pa, pb, a_val, b_val)[1]
 
 
 def mixed_product_summary(pa, pb, a_val: bool, b_val: bool):
