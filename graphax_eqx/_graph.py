@@ -30,7 +30,7 @@ from ._complex import realify
 from ._indexed import densify_small_blocks
 from ._rules import control, get_rule, zero_derivative
 from ._rules._base import outputs_needed
-from ._rules.custom import check_rules_inside
+from ._rules.custom import check_rules_inside, derivative_dependence
 from ._rules.elementwise import computed_once
 from ._sparse import LinearMap, add, diagonal, should_materialise, to_sparse
 
@@ -468,22 +468,39 @@ def analyse(
     for var, d in zip(program.invars, diff_mask, strict=True):
         if d:
             active.add(var)
-    for eqn in program.eqns:
+    # Custom rules with several outputs: which operands each output depends on.
+    coupling: dict[int, tuple[frozenset[int], ...]] = {}
+    for e, eqn in enumerate(program.eqns):
         if eqn.prim in zero_derivative:
             continue
-        if any(isinstance(a, int) and a in active for a in eqn.invars):
-            for v in eqn.outvars:
-                if jnp.issubdtype(avals[v][1], jnp.inexact):
-                    active.add(v)
+        reached = [
+            i for i, a in enumerate(eqn.invars) if isinstance(a, int) and a in active
+        ]
+        if not reached:
+            continue
+        deps = _custom_coupling(eqn, reached, avals)
+        if deps is not None:
+            coupling[e] = deps
+        for k, v in enumerate(eqn.outvars):
+            if jnp.issubdtype(avals[v][1], jnp.inexact) and (
+                deps is None or any(i in deps[k] for i in reached)
+            ):
+                active.add(v)
     needed: set[int] = set()
     for atom in program.outvars[:num_diff_out]:
         if isinstance(atom, int) and atom in active:
             needed.add(atom)
-    for eqn in reversed(program.eqns):
-        if any(v in needed for v in eqn.outvars):
-            for a in eqn.invars:
-                if isinstance(a, int) and a in active:
-                    needed.add(a)
+    for e in reversed(range(len(program.eqns))):
+        eqn = program.eqns[e]
+        deps = coupling.get(e)
+        used: set[int] = set()
+        for k, v in enumerate(eqn.outvars):
+            if v in needed:
+                used.update(range(len(eqn.invars)) if deps is None else deps[k])
+        for i in used:
+            a = eqn.invars[i]
+            if isinstance(a, int) and a in active:
+                needed.add(a)
     vid: dict[int, int] = {}
     inputs = []
     k = 0
@@ -528,6 +545,20 @@ def analyse(
     )
 
 
+def _custom_coupling(eqn: Eqn, reached: list[int], avals):
+    """For a custom-derivative call with several outputs, the operands (among
+    `reached`) each output has a derivative with respect to under its rule, or None
+    (see `derivative_dependence`)."""
+    if eqn.prim not in _CUSTOM_CALLS or len(eqn.outvars) < 2:
+        return None
+    operands = [
+        a.value if isinstance(a, Lit) else jax.ShapeDtypeStruct(*avals[a])
+        for a in eqn.invars
+    ]
+    found = derivative_dependence(eqn.prim, eqn.params, operands, reached)
+    return None if found is None else found.operands
+
+
 class EdgeGraph:
     """Edges `succ[u][w]` and `pred[w][u]` holding the same partial `∂w/∂u`."""
 
@@ -553,6 +584,9 @@ class EdgeGraph:
             for w, e in row.items():
                 out.set(u, w, fn(e))
         return out
+
+
+_CUSTOM_CALLS = (jp.custom_jvp_call_p, jp.custom_vjp_call_p)
 
 
 # Integer results up to this many elements are computed at trace time when their

@@ -65,6 +65,43 @@ def test_diffrax_adaptive_solve_with_checkpointed_adjoint():
     _check(_adaptive_tsit5, args, (0, 1), orders=("auto", "rev"))
 
 
+def _shapes(jaxpr, found: set) -> set:
+    for eqn in jaxpr.eqns:
+        found.update(tuple(v.aval.shape) for v in eqn.outvars)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _shapes(sub, found)
+    return found
+
+
+@pytest.mark.parametrize("order", ["rev", "auto"])
+def test_diffrax_checkpointed_adjoint_pulls_back_the_result_only(order):
+    # The checkpointed loop returns its state (14 floating entries: the solution,
+    # times, step sizes, the saved values) through a rule that gives most of them no
+    # tangent. Only the 3 entries that reach the result are pulled back, as
+    # `jax.jacrev` does (one pullback per entry of the local Jacobian's rows).
+    def solve(y0):
+        solution = diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, args: -y + jnp.sin(y[::-1])),
+            diffrax.Tsit5(),
+            t0=0.0,
+            t1=1.0,
+            dt0=0.05,
+            y0=y0,
+            saveat=diffrax.SaveAt(t1=True),
+            stepsize_controller=diffrax.ConstantStepSize(),
+            max_steps=40,
+        )
+        return solution.ys[0]
+
+    y0 = _y0()
+    shapes = _shapes(jax.make_jaxpr(gx.jacve(solve, order=order))(y0).jaxpr, set())
+    assert not any(s[:1] == (14,) for s in shapes), sorted(shapes)
+    _check(solve, (y0,), 0, orders=(order,))
+
+
 def test_diffrax_fixed_steps_saved_at_several_times():
     def solve(y0, p):
         solution = diffrax.diffeqsolve(

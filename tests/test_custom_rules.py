@@ -1026,3 +1026,96 @@ def test_reverse_only_rules_pull_back_needed_outputs_only(order):
     np.testing.assert_allclose(
         jax.jit(gx.jacve(f, order=order))(x), jax.jacrev(f)(x), rtol=1e-5, atol=1e-6
     )
+
+
+# Rules with several outputs that pass tangents through or give none: the local
+# Jacobian's identities and zeros are read off the rule, and values that reach the
+# result only through zeros are not differentiated.
+
+
+@jax.custom_jvp
+def _solver_state(x, y, w):
+    # A value, a passed-through state, and bookkeeping with no derivative (as
+    # Equinox's checkpointed loops return their step counts and step sizes).
+    return jnp.sin(x) * y, jnp.round(x * 8.0) / 8.0, jnp.sum(w**2)
+
+
+@_solver_state.defjvp
+def _solver_state_jvp(primals, tangents):
+    (x, y, w), (tx, ty, _) = primals, tangents
+    outs = _solver_state(x, y, w)
+    return outs, (jnp.cos(x) * y * tx + jnp.sin(x) * ty, tx, jnp.zeros_like(outs[2]))
+
+
+@jax.custom_vjp
+def _checkpointed(x, w):
+    return jnp.tanh(x) * 2.0, x[::-1], jnp.sum(w * x)
+
+
+def _checkpointed_fwd(x, w):
+    return _checkpointed(x, w), x
+
+
+def _checkpointed_bwd(x, ct):
+    a, b, _ = ct  # the sum is bookkeeping: no cotangent flows back from it
+    return 2.0 * a * (1.0 - jnp.tanh(x) ** 2) + b[::-1], None
+
+
+_checkpointed.defvjp(_checkpointed_fwd, _checkpointed_bwd)
+
+
+def _uses_solver_state(x):
+    w = jnp.outer(x, x)  # reaches the result only through a zero tangent
+    value, state, count = _solver_state(x, x[::-1] ** 2, w)
+    return value + state * count
+
+
+def _uses_checkpointed(x):
+    w = jnp.exp(x)
+    value, flipped, total = _checkpointed(x, w)
+    return jnp.concatenate([value * flipped, total[None]])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", ["jvp", "vjp"])
+def test_rules_with_passed_through_and_missing_tangents(name, order, dtype):
+    f = _uses_solver_state if name == "jvp" else _uses_checkpointed
+    x = jnp.linspace(-0.9, 1.3, 7).astype(dtype)
+    reference = jax.jacrev(f)(x)
+    if name == "jvp":
+        assert_tree_matches(jax.jacfwd(f)(x), reference, rtol=1e-5, atol=1e-6)
+    for sparse in (False, True):
+        jac = gx.jacve(f, order=order, sparse_representation=sparse)
+        for call in (jac, jax.jit(jac)):
+            got = call(x)
+            got = got.dense() if sparse else got
+            assert_tree_matches(got, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_values_reaching_the_result_through_zero_tangents_are_not_differentiated():
+    # `w = outer(x, x)` reaches the result only through a tangent the rule drops:
+    # the counts are those of the same function with `w` cut off by `stop_gradient`.
+    def cut(x):
+        w = lax.stop_gradient(jnp.outer(x, x))
+        value, state, count = _solver_state(x, x[::-1] ** 2, w)
+        return value + state * count
+
+    x = jnp.linspace(-0.9, 1.3, 7)
+    for order in ("fwd", "rev", "markowitz"):
+        _, counts = gx.jacve(_uses_solver_state, order=order, count_ops=True)(x)
+        _, expected = gx.jacve(cut, order=order, count_ops=True)(x)
+        assert counts == expected, order
+        cost = gx.elimination_cost(_uses_solver_state, order=order)(x)
+        assert (cost.num_muls, cost.num_adds) == (
+            counts["num_muls"],
+            counts["num_adds"],
+        ), order
+    # The passed-through state's partial is an identity, and stays one.
+    def state(x):
+        return _solver_state(x, x[::-1] ** 2, jnp.outer(x, x))[1]
+
+    for order in ORDERS:
+        jac = gx.jacve(state, order=order, sparse_representation=True)(x)
+        assert jac.nse == x.size, order
+        np.testing.assert_array_equal(jac.dense(), jnp.eye(x.size))

@@ -29,8 +29,15 @@ import numpy as np
 from jax import lax
 
 from .. import _jax_private as jp
-from .._sparse import with_mask
-from ._base import Partials, active_indices, register, shape_of
+from .._sparse import diagonal, with_mask
+from ._base import (
+    Partials,
+    active_indices,
+    needed_outputs,
+    outputs_needed,
+    register,
+    shape_of,
+)
 from .elementwise import (
     _broadcast_partial,
     dropped_entries,
@@ -741,6 +748,98 @@ def _check_linear(prim, params, operands, wrt, use_vjp) -> None:
 _CUSTOM_CALLS = (jp.custom_jvp_call_p, jp.custom_vjp_call_p)
 
 
+class Dependence(NamedTuple):
+    """Which operands each output of a custom-derivative call has a derivative with
+    respect to, under its rule (see `derivative_dependence`)."""
+
+    # For each output, the positions (among those asked about) its tangent depends
+    # on; empty for integer outputs and for those the rule gives zero tangents.
+    operands: tuple[frozenset[int], ...]
+    # (output, operand) pairs whose derivative is the identity: the rule passes the
+    # operand's tangent (the output's cotangent) through unchanged.
+    identities: frozenset[tuple[int, int]]
+
+
+def _union(eqn, deps: list) -> list:
+    found = frozenset().union(*deps)
+    return [found] * len(eqn.outvars)
+
+
+def _dependence(jaxpr, n_seed: int) -> list[frozenset[int]]:
+    """For each output of `jaxpr`, which of its last `n_seed` inputs (numbered from
+    0) its value depends on, following data flow (conservatively through loops)."""
+    n_other = len(jaxpr.invars) - n_seed
+    facts = [frozenset()] * n_other + [frozenset({s}) for s in range(n_seed)]
+    return propagate_facts(jaxpr, facts, _union, frozenset())
+
+
+def _call_outvars(params) -> list:
+    closed = params["call_jaxpr"]
+    return list(getattr(closed, "jaxpr", closed).outvars)
+
+
+def _same_type(var, operand) -> bool:
+    """Whether the seed `var` has the type (shape and dtype) of `operand`."""
+    t = jax.typeof(operand)
+    return tuple(var.aval.shape) == tuple(t.shape) and var.aval.dtype == t.dtype
+
+
+def derivative_dependence(prim, params, operands, wrt) -> Dependence | None:
+    """The structure of the local Jacobian a custom rule defines, read off the traced
+    rule: for each output of the `prim` call, the operands `operands[i]`, `i in wrt`,
+    it depends on, and the pairs it passes through unchanged; None where the rule
+    cannot be traced.
+
+    A rule may give some outputs no tangent at all (Equinox's checkpointed loops
+    return their bookkeeping that way), or pass tangents through untouched: those
+    parts of the Jacobian are zeros and identities, with nothing to compute, and
+    the values that reach the result only through zeros are not needed. `operands`
+    may be arrays or `jax.ShapeDtypeStruct`s; only their types matter.
+    """
+    use_vjp = prim is jp.custom_vjp_call_p
+    wrt = [i for i in wrt if jnp.issubdtype(jax.typeof(operands[i]).dtype, jnp.inexact)]
+
+    def compute():
+        traced = _rule_jaxpr(prim, params, operands, wrt, use_vjp) if wrt else None
+        if traced is None:
+            return None
+        jaxpr, n_seed, _ = traced
+        n_other = len(jaxpr.invars) - n_seed
+        outvars = _call_outvars(params)
+        float_outs = [
+            k for k, v in enumerate(outvars) if jnp.issubdtype(v.aval.dtype, jnp.inexact)
+        ]
+        found = _dependence(jaxpr, n_seed)
+        seeds = jaxpr.invars[n_other:]
+        n_outs = len(outvars)
+        deps = [set() for _ in range(n_outs)]
+        identities = set()
+        if use_vjp:  # seeds: output cotangents; results: the operands' cotangents
+            if len(seeds) != len(float_outs) or len(found) != len(wrt):
+                return None
+            for a, i in enumerate(wrt):
+                for s in found[a]:
+                    deps[float_outs[s]].add(i)
+                out = jaxpr.outvars[a]
+                if not isinstance(out, jp.Literal) and out in seeds and _same_type(
+                    out, operands[i]
+                ):
+                    identities.add((float_outs[seeds.index(out)], i))
+        else:  # seeds: the operands' tangents; results: the outputs' tangents
+            if len(seeds) != len(wrt) or len(found) != len(float_outs):
+                return None
+            for pos, k in enumerate(float_outs):
+                deps[k].update(wrt[s] for s in found[pos])
+                out = jaxpr.outvars[pos]
+                if not isinstance(out, jp.Literal) and out in seeds:
+                    i = wrt[seeds.index(out)]
+                    if _same_type(out, operands[i]):
+                        identities.add((k, i))
+        return Dependence(tuple(frozenset(d) for d in deps), frozenset(identities))
+
+    return _cached("dependence", prim, params, operands, wrt, use_vjp, compute)
+
+
 def check_rules_inside(prim, params, active: Sequence[bool]) -> None:
     """Refuse a custom rule nested in the bodies of `prim` (a loop, a branch) that an
     active operand reaches and that is not linear in its seed.
@@ -938,7 +1037,7 @@ def _custom_rule_body(prim, use_vjp):
         # Every path below uses a local Jacobian, which exists for a linear rule only.
         _check_linear(prim, params, primals, idx, use_vjp)
         if len(outs) != 1:
-            return outs, dense_jacobian(prim, params, primals, active, outs, modes)
+            return outs, _coupled_partials(prim, params, primals, idx, outs, modes)
         out = outs[0]
         out_shape = shape_of(out)
         if any(shape_of(primals[i]) not in (out_shape, ()) for i in idx):
@@ -1002,6 +1101,41 @@ def _custom_rule_body(prim, use_vjp):
         return outs, partials
 
     return rule
+
+
+def _coupled_partials(prim, params, primals, idx, outs, modes) -> Partials:
+    """The partials of a call with several outputs: identities and zeros where the
+    rule passes a (co)tangent through or gives none (see `derivative_dependence`),
+    the rest dense, by differentiating only the outputs and operands left."""
+    active = [i in idx for i in range(len(primals))]
+    found = derivative_dependence(prim, params, primals, idx)
+    if found is None:
+        return dense_jacobian(prim, params, primals, active, outs, modes)
+    needed = needed_outputs(prim, len(outs))
+    partials: Partials = {}
+    rest: dict[int, set[int]] = {}
+    for k, deps in enumerate(found.operands):
+        if not needed[k]:
+            continue
+        for i in deps:
+            if (k, i) in found.identities:
+                shape = shape_of(outs[k])
+                partials[(k, i)] = diagonal(None, shape, outs[k].dtype)
+            else:
+                rest.setdefault(k, set()).add(i)
+    if rest:
+        wrt = set().union(*rest.values())
+        with outputs_needed(prim, [k in rest for k in range(len(outs))]):
+            dense = dense_jacobian(
+                prim,
+                params,
+                primals,
+                [i in wrt for i in range(len(primals))],
+                outs,
+                modes,
+            )
+        partials.update((key, p) for key, p in dense.items() if key[1] in rest[key[0]])
+    return partials
 
 
 register(jp.custom_jvp_call_p)(_custom_rule(jp.custom_jvp_call_p, use_vjp=False))
