@@ -22,6 +22,7 @@ from ._indexed import (
     gathered_muls,
     mixed_product_summary,
     mixed_sum_summary,
+    spread_entries,
 )
 from ._sparse import (
     AnyPattern,
@@ -77,6 +78,25 @@ def sim_gathered(a: SimEdge, b: SimEdge) -> int:
     both factors per entry pair (see [`graphax_eqx._indexed.gathered_muls`][])."""
     if _coordinates(a.pattern) or _coordinates(b.pattern):
         return gathered_muls(a.pattern, b.pattern, a.has_val, b.has_val)
+    return 0
+
+
+def sim_contracted(a: SimEdge, b: SimEdge) -> int:
+    """The multiplications of `sim_product(a, b)` beyond one per result entry of a
+    product run as a contraction (a matrix product)."""
+    if _coordinates(a.pattern) or _coordinates(b.pattern):
+        return 0
+    return product_plan(a.pattern, b.pattern, a.has_val, b.has_val).contracted
+
+
+def sim_spread(a: SimEdge, b: SimEdge) -> int:
+    """The entries `sim_add(a, b)` gathers into a result it stores densely (see
+    [`graphax_eqx._indexed.spread_entries`][])."""
+    if separating_sum(a.pattern, b.pattern):
+        a = SimEdge(coo_pattern_of(a.pattern, a.has_val), a.has_val)
+        b = SimEdge(coo_pattern_of(b.pattern, b.has_val), b.has_val)
+    if _coordinates(a.pattern) or _coordinates(b.pattern):
+        return spread_entries(a.pattern, b.pattern, a.has_val, b.has_val)
     return 0
 
 

@@ -452,23 +452,23 @@ class Structure:
     primitive_of: dict[int, str]
     shape_of: dict[int, tuple[int, ...]]
     dtype_of: dict[int, Any]
+    # Variables that depend differentiably on a differentiated input, needed or not.
+    active: frozenset[int] = frozenset()
 
 
-def analyse(
-    program: Program, diff_mask: Sequence[bool], num_diff_out: int | None = None
-) -> Structure:
-    """Number the vertices: active (depend on a differentiated input) and needed.
-
-    Only the first `num_diff_out` outputs are differentiated (the rest are auxiliary).
-    """
+def custom_couplings(
+    program: Program, diff_mask: Sequence[bool]
+) -> tuple[set[int], dict[int, tuple[frozenset[int], ...]]]:
+    """The variables that depend differentiably on a differentiated input, and for
+    each custom-derivative call with several outputs that one reaches (by equation
+    index), which operands each output's derivative depends on under its rule (see
+    `derivative_dependence`). The second part shapes the graph as much as the
+    program's text does, so cached analyses are keyed on it too."""
     avals = program.avals
-    if num_diff_out is None:
-        num_diff_out = len(program.outvars)
     active: set[int] = set()
     for var, d in zip(program.invars, diff_mask, strict=True):
         if d:
             active.add(var)
-    # Custom rules with several outputs: which operands each output depends on.
     coupling: dict[int, tuple[frozenset[int], ...]] = {}
     for e, eqn in enumerate(program.eqns):
         if eqn.prim in zero_derivative:
@@ -486,6 +486,26 @@ def analyse(
                 deps is None or any(i in deps[k] for i in reached)
             ):
                 active.add(v)
+    return active, coupling
+
+
+def analyse(
+    program: Program,
+    diff_mask: Sequence[bool],
+    num_diff_out: int | None = None,
+    couplings=None,
+) -> Structure:
+    """Number the vertices: active (depend on a differentiated input) and needed.
+
+    Only the first `num_diff_out` outputs are differentiated (the rest are auxiliary).
+    `couplings` is `custom_couplings(program, diff_mask)`, if already computed.
+    """
+    avals = program.avals
+    if num_diff_out is None:
+        num_diff_out = len(program.outvars)
+    if couplings is None:
+        couplings = custom_couplings(program, diff_mask)
+    active, coupling = couplings
     needed: set[int] = set()
     for atom in program.outvars[:num_diff_out]:
         if isinstance(atom, int) and atom in active:
@@ -542,6 +562,7 @@ def analyse(
         primitive_of,
         shape_of,
         dtype_of,
+        frozenset(active),
     )
 
 
@@ -678,9 +699,16 @@ def evaluate(
         out_vertices = [vid.get(v) for v in eqn.outvars]
         need = [isinstance(a, int) and a in vid for a in eqn.invars]
         if any(o is not None for o in out_vertices) and any(need):
-            check_rules_inside(eqn.prim, eqn.params, need)
+            # The rule differentiates every active operand, as JAX does, also those
+            # no needed output depends on (a custom rule's zero tangents): a rule
+            # with symbolic zeros sees the operands JAX's would see perturbed.
+            active = [
+                isinstance(a, int) and (a in vid or a in structure.active)
+                for a in eqn.invars
+            ]
+            check_rules_inside(eqn.prim, eqn.params, active)
             with outputs_needed(eqn.prim, [o is not None for o in out_vertices]):
-                outs, partials = get_rule(eqn.prim)(ins, need, **eqn.params)
+                outs, partials = get_rule(eqn.prim)(ins, active, **eqn.params)
             for (k, i), partial in partials.items():
                 w = out_vertices[k]
                 if w is None or not need[i] or 0 in partial.shape:

@@ -1941,6 +1941,40 @@ def mixed_sum_summary(pa, pb, a_val: bool, b_val: bool):
     return plan.pattern, plan.has_val, plan.adds
 
 
+def spread_entries(pa, pb, a_val: bool, b_val: bool) -> int:
+    """Entries `mixed_sum_plan(pa, pb, a_val, b_val)` gathers into a result it stores
+    densely: a sum of coordinates gathers each operand storing values into the union
+    of their entries (unless it holds exactly those entries in their order already),
+    and where the union is dense enough to be stored densely, that writes every
+    entry of the dense array, most of them zeros."""
+    from ._band import band_sum_plan, unbanded
+
+    pa, pb = plain(pa), plain(pb)
+    if band_sum_plan(pa, pb) is not None:
+        return 0
+    pa2, a2, pb2, b2 = unbanded(pa, a_val, pb, b_val)
+    if not (isinstance(pa2, CooPattern) and isinstance(pb2, CooPattern)):
+        _, _, pa2, pb2, a2, b2 = _converted(pa2, pb2, a2, b2)
+    if not (isinstance(pa2, CooPattern) and isinstance(pb2, CooPattern)):
+        return 0
+    return _coo_spread(pa2, pb2, a2, b2)
+
+
+@functools.lru_cache(maxsize=4096)
+def _coo_spread(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool) -> int:
+    pa2, _, pb2, _, ka, kb = _sum_keys(pa, pb)
+    uniq = _distinct(np.concatenate([ka, kb]))
+    coo = _sum_pattern(pa, pa2, pb2, uniq, True, a_val, b_val)
+    if not _store_dense(coo):
+        return 0
+    vary = math.prod(coo.tie_sizes[t] for t, v in enumerate(coo.varying) if v)
+    total = 0
+    for keys, stores in ((ka, a_val), (kb, b_val)):
+        if stores and not (len(keys) == len(uniq) and np.array_equal(keys, uniq)):
+            total += len(uniq) * vary
+    return total
+
+
 def mixed_sum_plan(pa, pb, a_val: bool, b_val: bool):
     """Plan `A + B` where at least one side is a static sparse pattern (coordinates
     or a band)."""

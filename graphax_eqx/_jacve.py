@@ -31,6 +31,7 @@ from ._graph import (
     Program,
     Structure,
     analyse,
+    custom_couplings,
     evaluate,
     inline,
     shaping_vars,
@@ -256,8 +257,16 @@ def _fingerprint(program: Program) -> tuple:
 
 
 def _analysis(program: Program, diff_mask, num_out: int) -> _Analysis:
+    # What the custom rules say of their outputs shapes the graph too: two rules of
+    # one name and body may route their tangents differently.
+    couplings = custom_couplings(program, diff_mask)
     try:
-        key = (_fingerprint(program), tuple(diff_mask), num_out)
+        key = (
+            _fingerprint(program),
+            tuple(diff_mask),
+            num_out,
+            tuple(sorted(couplings[1].items())),
+        )
         hash(key)
     except TypeError:
         key = None
@@ -265,7 +274,7 @@ def _analysis(program: Program, diff_mask, num_out: int) -> _Analysis:
     if found is not None:
         _ANALYSES.move_to_end(key)
         return found
-    found = _Analysis(analyse(program, diff_mask, num_out))
+    found = _Analysis(analyse(program, diff_mask, num_out, couplings))
     if key is not None:
         _remember(_ANALYSES, key, found, _MAX_ANALYSES)
     return found

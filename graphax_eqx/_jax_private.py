@@ -548,14 +548,18 @@ _STATIC = (bool, int, float, complex, str, type(None))
 
 
 def _static_values(obj, depth: int = 0) -> list:
-    """The Python scalars and strings in `obj` (nested in tuples, lists and dicts),
-    tagged, for a key: the static arguments of a rule."""
+    """The Python scalars and strings in `obj` (nested in tuples, lists, dicts and
+    the fields of dataclasses such as Equinox modules, which wrap the static
+    arguments of `eqx.filter_custom_jvp`), tagged, for a key: the static arguments
+    of a rule."""
     if isinstance(obj, _STATIC):
         return [("static", type(obj).__name__, obj)]
-    if depth > 4:
+    if depth > 8:
         return []
     if type(obj).__name__ in ("Unhashable", "Hashable"):  # JAX's wrappers of them
         return _static_values(getattr(obj, "val", None), depth + 1)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
     if isinstance(obj, dict):
         obj = list(obj.items())
     if isinstance(obj, (tuple, list)):

@@ -14,7 +14,6 @@ import numpy as np
 
 from . import _jax_private as jp
 from ._graph import EdgeGraph
-from ._indexed import GATHER_COST
 from ._simulator import Cost, Simulator, State
 
 
@@ -425,18 +424,40 @@ def candidates(sim: Simulator) -> dict[str, list[int]]:
 
 
 # The run-time model: a weighted sum of what the simulator counts, in units of one
-# multiplication, fitted by `python -m benchmarks.orders --fit` to the measured run
-# times of every named order on the benchmark suite (see `docs/orders.md`). On that
-# suite additions, entries written and products did not improve the fit. Gathered
-# multiplications (entry pair by entry pair over coordinates) cost `GATHER_COST` in
-# all, as in the choice between a convolution's two forms (`_indexed.mapped_choice`);
-# the suite has few of them (see `docs/orders.md`).
+# multiplication of a broadcast product (an elementwise product of two partials,
+# limited by the memory it writes). The weights of multiplications, additions,
+# entries written and products were fitted by `python -m benchmarks.orders --fit` to
+# the measured run times of every named order on the benchmark suite (see
+# `docs/orders.md`); beyond multiplications, none improved the fit. The suite's
+# programs are scalar functions batched by `jax.vmap`, so three kinds of work are
+# rare there, and their weights come from `python -m benchmarks.models` instead
+# (every named order of an 8-head attention layer and a transformer block, whose
+# run times they rank as measured; see `benchmarks/NOTES.md`):
+#
+# - a multiplication over coordinates, both factors gathered entry pair by entry
+#   pair, costs `GATHERED_COST` (a random access each, where a broadcast product
+#   streams);
+# - a multiplication of a large contraction (a matrix product of at least
+#   `_sparse.MIN_CONTRACTED_MULS` multiplications) beyond the first per result entry
+#   costs `1 / CONTRACTION_SPEEDUP`: the matrix product reuses what it loads;
+# - an entry a sum of coordinate partials gathers into a result stored densely costs
+#   `SPREAD_COST`.
+#
+# Under `jax.vmap` every entry is a row of the batch, so a gathered multiplication
+# gathers rows and costs less; the picks on the benchmark suite, the sparse suite and
+# the training steps are the same with `GATHERED_COST` 8 as with 32.
+GATHERED_COST = 32.0
+CONTRACTION_SPEEDUP = 16.0
+SPREAD_COST = 8.0
+
 TIME_WEIGHTS = {
     "muls": 1.0,
     "adds": 0.0,
     "traffic": 0.0,
     "products": 0.0,
-    "gathered": GATHER_COST - 1.0,
+    "gathered": GATHERED_COST - 1.0,
+    "contracted": 1.0 / CONTRACTION_SPEEDUP - 1.0,
+    "spread": SPREAD_COST,
 }
 
 # `auto` leaves forward/reverse mode for a heuristic order only when the model
@@ -456,6 +477,8 @@ def predicted_time(cost) -> float:
         + w["traffic"] * cost.traffic
         + w["products"] * cost.products
         + w["gathered"] * cost.gathered
+        + w["contracted"] * cost.contracted
+        + w["spread"] * cost.spread
     )
 
 

@@ -77,6 +77,10 @@ class EliminationCost:
     - `fill`: edges the elimination created that the graph did not have.
     - `gathered`: multiplications (of `num_muls`) made entry pair by entry pair over
         coordinates, gathering both factors (see `docs/orders.md`).
+    - `contracted`: multiplications (of `num_muls`) beyond one per result entry of
+        products run as contractions (matrix products).
+    - `spread`: entries sums of coordinate partials gather into results stored
+        densely (mostly zeros; see `docs/orders.md`).
     - `predicted_time`: the run-time model's estimate in arbitrary units (see
         `docs/orders.md`), comparable between orders of one function only.
     """
@@ -89,6 +93,8 @@ class EliminationCost:
     products: int
     fill: int
     gathered: int
+    contracted: int
+    spread: int
     predicted_time: float
 
 
@@ -110,6 +116,8 @@ def _full_cost(sim: Simulator, ids: Sequence[int], graph_adds: int, fp: str):
         cost.products,
         cost.fill,
         cost.gathered,
+        cost.contracted,
+        cost.spread,
         predicted_time(cost),
     )
 

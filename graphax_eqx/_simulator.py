@@ -17,9 +17,11 @@ from collections.abc import Callable, Iterable, Sequence
 from ._eliminate import (
     SimEdge,
     sim_add,
+    sim_contracted,
     sim_gathered,
     sim_product,
     sim_product_muls,
+    sim_spread,
     structurally_zero,
     written,
 )
@@ -43,6 +45,11 @@ class Cost:
     - `gathered`: the multiplications (of `muls`) made entry pair by entry pair over
         coordinates, gathering both factors (see
         [`graphax_eqx._indexed.gathered_muls`][]).
+    - `contracted`: the multiplications (of `muls`) beyond one per result entry of
+        products run as contractions (matrix products), far cheaper each than those
+        of broadcast products.
+    - `spread`: entries sums of coordinate partials gather into results stored
+        densely (see [`graphax_eqx._indexed.spread_entries`][]).
     """
 
     muls: int
@@ -51,6 +58,8 @@ class Cost:
     products: int
     fill: int
     gathered: int = 0
+    contracted: int = 0
+    spread: int = 0
 
 
 class State:
@@ -133,8 +142,11 @@ class Simulator:
         self._zero: list[bool] = []
         self._prod: dict[int, tuple[int, int]] = {}
         self._muls: dict[int, int] = {}
-        # Gathered multiplications of the products in `_prod` that have any.
+        # Gathered and contracted multiplications of the products in `_prod`, and
+        # spread entries of the sums in `_sum`, that have any.
         self._gathered: dict[int, int] = {}
+        self._contracted: dict[int, int] = {}
+        self._spread: dict[int, int] = {}
         self._sum: dict[int, tuple[int, int]] = {}
         n = len(self.vertices)
         pred: list[dict[int, int]] = [{} for _ in range(n)]
@@ -174,6 +186,9 @@ class Simulator:
                 gathered = sim_gathered(self._edges[a], self._edges[b])
                 if gathered:
                     self._gathered[key] = int(gathered)
+                contracted = sim_contracted(self._edges[a], self._edges[b])
+                if contracted:
+                    self._contracted[key] = int(contracted)
         return found
 
     def _add(self, a: int, b: int) -> tuple[int, int]:
@@ -183,6 +198,9 @@ class Simulator:
             edge, adds = sim_add(self._edges[a], self._edges[b])
             found = (self._intern(edge), int(adds))
             self._sum[key] = found
+            spread = sim_spread(self._edges[a], self._edges[b])
+            if spread:
+                self._spread[key] = int(spread)
         return found
 
     def _product_muls(self, a: int, b: int) -> int:
@@ -227,11 +245,14 @@ class Simulator:
         """A fresh state: nothing eliminated yet."""
         return self._initial.owned_copy()
 
-    def eliminate(self, state: State, i: int) -> tuple[int, int, int, int, int, int]:
+    def eliminate(
+        self, state: State, i: int
+    ) -> tuple[int, int, int, int, int, int, int, int]:
         """Eliminate internal vertex `i` in place.
 
         Returns (multiplications, additions, entries written, products, new edges,
-        gathered multiplications): the fields of a [`Cost`][].
+        gathered multiplications, contracted multiplications, spread entries): the
+        fields of a [`Cost`][].
         """
         pred, succ = state.pred, state.succ
         ins = pred[i]
@@ -239,8 +260,9 @@ class Simulator:
         _detach(state, i, ins, outs)
         state.remaining.discard(i)
         prod, sums, add, wr = self._prod, self._sum, self._add, self._written
-        zero, gath = self._zero, self._gathered
-        muls = adds = traffic = fill = gathered = 0
+        zero, gath, con = self._zero, self._gathered, self._contracted
+        spreads = self._spread
+        muls = adds = traffic = fill = gathered = contracted = spread = 0
         outs_items = list(outs.items())
         for u, b in ins.items():
             su = succ[u]
@@ -253,14 +275,17 @@ class Simulator:
                 if m:
                     muls += m
                     gathered += gath.get(key, 0)
+                    contracted += con.get(key, 0)
                 if zero[c]:
                     continue
                 traffic += wr[c]
                 old = su.get(w)
                 if old is not None:
-                    found = sums.get(old * _SHIFT + c)
+                    sum_key = old * _SHIFT + c
+                    found = sums.get(sum_key)
                     if found is None:
                         found = add(old, c)
+                    spread += spreads.get(sum_key, 0)
                     c, m = found
                     adds += m
                     traffic += wr[c]
@@ -268,7 +293,16 @@ class Simulator:
                     fill += 1
                 su[w] = c
                 pred[w][u] = c
-        return muls, adds, traffic, len(ins) * len(outs_items), fill, gathered
+        return (
+            muls,
+            adds,
+            traffic,
+            len(ins) * len(outs_items),
+            fill,
+            gathered,
+            contracted,
+            spread,
+        )
 
     def vertex_muls(self, state: State, i: int) -> int:
         """Multiplications eliminating internal vertex `i` would cost now."""

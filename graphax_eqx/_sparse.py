@@ -723,6 +723,13 @@ def _untie_pattern(p: Pattern, side: str) -> Pattern:
 #
 
 
+# A contraction of at least this many multiplications runs as a matrix product at
+# several times the rate of a broadcast product (see `_orders.CONTRACTION_SPEEDUP`);
+# smaller ones (a scalar program's 4 × 4 blocks, batched by `vmap`) are dominated by
+# their overheads, as broadcast products are.
+MIN_CONTRACTED_MULS = 1 << 16
+
+
 @dataclasses.dataclass(frozen=True)
 class _ProductPlan:
     pattern: AnyPattern
@@ -735,6 +742,9 @@ class _ProductPlan:
     refined: Pattern | None = None
     materialise: bool = False
     lazy: LinearPattern | None = None  # the linear map's pattern, before settling
+    # Multiplications beyond one per result entry of an einsum that contracts, if it
+    # is large enough to run as an efficient matrix product (`MIN_CONTRACTED_MULS`).
+    contracted: int = 0
 
 
 def _settle(plan: _ProductPlan) -> _ProductPlan:
@@ -886,13 +896,18 @@ def _sparse_product_plan(pa: Pattern, pb: Pattern, a_val: bool, b_val: bool):
         tuple(canon[c] for c in out_classes),
     )
     out_size = math.prod(size[c] for c in out_classes)
+    contracted = 0
     if a_val and b_val:
         muls = math.prod(size[c] for c in set(a_classes) | set(b_classes))
+        if muls >= MIN_CONTRACTED_MULS:
+            contracted = muls - out_size
     else:
         muls = 0
     if factor != 1:
         muls += out_size
-    return _ProductPlan(pattern, "einsum", muls, a_sub, b_sub, out_sub, factor)
+    return _ProductPlan(
+        pattern, "einsum", muls, a_sub, b_sub, out_sub, factor, contracted=contracted
+    )
 
 
 def _apply_masked(

@@ -1111,6 +1111,7 @@ def test_values_reaching_the_result_through_zero_tangents_are_not_differentiated
             counts["num_muls"],
             counts["num_adds"],
         ), order
+
     # The passed-through state's partial is an identity, and stays one.
     def state(x):
         return _solver_state(x, x[::-1] ** 2, jnp.outer(x, x))[1]
@@ -1119,3 +1120,141 @@ def test_values_reaching_the_result_through_zero_tangents_are_not_differentiated
         jac = gx.jacve(state, order=order, sparse_representation=True)(x)
         assert jac.nse == x.size, order
         np.testing.assert_array_equal(jac.dense(), jnp.eye(x.size))
+
+
+def _routing(kind: str, swap: bool):
+    # Rules of one name and one primal body that route their tangents differently.
+    if kind == "jvp":
+
+        @jax.custom_jvp
+        def g(x, y):
+            return x * 1.0, y * 1.0
+
+        @g.defjvp
+        def _g_jvp(primals, tangents):
+            (x, y), (tx, ty) = primals, tangents
+            return g(x, y), ((ty, tx) if swap else (tx, ty))
+
+        return g
+
+    @jax.custom_vjp
+    def h(x, y):
+        return x * 1.0, y * 1.0
+
+    def h_fwd(x, y):
+        return h(x, y), None
+
+    def h_bwd(_, ct):
+        a, b = ct
+        return (b, a) if swap else (a, b)
+
+    h.defvjp(h_fwd, h_bwd)
+    return h
+
+
+@pytest.mark.parametrize("kind", ["jvp", "vjp"])
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])
+def test_rules_of_one_name_routing_tangents_differently(kind, order):
+    # The graph is pruned by what each rule says; a cached analysis of one must not
+    # serve the other.
+    x = jnp.linspace(-0.9, 1.3, 5)
+    for swap in (False, True, False):
+        g = _routing(kind, swap)
+
+        def f(x, g=g):
+            return g(jnp.exp(x), x**2)[0]
+
+        expected = jnp.diag(2 * x) if swap else jnp.diag(jnp.exp(x))
+        for call in (gx.jacve(f, order=order), jax.jit(gx.jacve(f, order=order))):
+            np.testing.assert_allclose(call(x), expected, rtol=1e-6, atol=1e-6)
+
+
+@eqx.filter_custom_jvp
+def _modal(x, y, mode):
+    return {"a": x * 1.0, "b": y * 1.0, "c": jnp.sum(x * y)}
+
+
+@_modal.def_jvp
+def _modal_jvp(primals, tangents):
+    x, y, mode = primals
+    tx, ty, _ = tangents
+    out = _modal(x, y, mode)
+    if mode == "swap":
+        return out, {"a": ty, "b": tx, "c": jnp.zeros_like(out["c"])}
+    return out, {"a": tx, "b": ty, "c": jnp.sum(tx * y) + jnp.sum(x * ty)}
+
+
+@pytest.mark.parametrize("modes", [("plain", "swap"), ("swap", "plain")])
+def test_equinox_rule_switched_by_a_static_argument(modes):
+    # `eqx.filter_custom_jvp` passes the static `mode` wrapped in a module, and
+    # `None` tangents for unperturbed inputs: `y = x**2` is perturbed, though only
+    # output "a" is used.
+    x = jnp.linspace(-0.9, 1.3, 5)
+    for mode in modes:
+
+        def f(x, mode=mode):
+            return _modal(jnp.exp(x), x**2, mode)["a"]
+
+        for order in ("rev", "fwd"):
+            np.testing.assert_allclose(
+                gx.jacve(f, order=order)(x), jax.jacfwd(f)(x), rtol=1e-6, atol=1e-6
+            )
+
+
+@jax.custom_jvp
+def _strict(x, y):
+    return x * 1.0, jnp.sum(x * y)
+
+
+def _strict_jvp(primals, tangents):
+    (x, y), (tx, ty) = primals, tangents
+    # Written for what JAX passes: `y` depends on the input, so its tangent is real.
+    assert not isinstance(ty, jax.custom_derivatives.SymbolicZero)
+    return _strict(x, y), (tx, jnp.sum(tx * y) + jnp.sum(x * ty))
+
+
+_strict.defjvp(_strict_jvp, symbolic_zeros=True)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_symbolic_zeros_only_where_jax_passes_them(order):
+    # Only the first output is used, and it does not depend on `y`; the rule is
+    # still given a tangent for `y`, as `jax.jacfwd` gives it.
+    def f(x):
+        return _strict(jnp.exp(x), x**2)[0]
+
+    x = jnp.linspace(-0.9, 1.3, 5)
+    np.testing.assert_allclose(
+        gx.jacve(f, order=order)(x), jax.jacfwd(f)(x), rtol=1e-6, atol=1e-6
+    )
+
+
+_ROUTE = {"swap": False}
+
+
+@jax.custom_jvp
+def _flagged(x, y):
+    return x * 1.0, y * 1.0
+
+
+@_flagged.defjvp
+def _flagged_jvp(primals, tangents):
+    (x, y), (tx, ty) = primals, tangents
+    return _flagged(x, y), ((ty, tx) if _ROUTE["swap"] else (tx, ty))
+
+
+def test_rule_switched_by_a_mutated_flag_is_read_again():
+    # Eager `jax.jacfwd` traces the rule on every call; so does `jacve` when what
+    # the rule reads changes, here the contents of a global dict.
+    def f(x):
+        return _flagged(jnp.exp(x), x**2)[0]
+
+    x = jnp.linspace(-0.9, 1.3, 5)
+    try:
+        for swap in (False, True, False):
+            _ROUTE["swap"] = swap
+            np.testing.assert_allclose(
+                gx.jacve(f, order="rev")(x), jax.jacfwd(f)(x), rtol=1e-6, atol=1e-6
+            )
+    finally:
+        _ROUTE["swap"] = False

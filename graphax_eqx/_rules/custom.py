@@ -580,6 +580,20 @@ _MAX_TRACED = 512
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 
 
+def _flags(value) -> tuple | None:
+    """The contents of a small list, tuple, set or dict of Python scalars and
+    strings (its items, sorted for a set), or None for anything else."""
+    if not isinstance(value, (list, tuple, dict, set, frozenset)) or len(value) > 64:
+        return None
+    items = list(value.items()) if isinstance(value, dict) else list(value)
+    flat = [v for item in items for v in (item if isinstance(value, dict) else [item])]
+    if not all(isinstance(v, _SCALARS) for v in flat):
+        return None
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(map(repr, flat)))
+    return tuple(flat)
+
+
 def _state_read(functions: tuple) -> tuple:
     """What the rule's Python functions read besides their arguments: the globals
     their code names and the cells they close over, by value for Python scalars and
@@ -590,7 +604,13 @@ def _state_read(functions: tuple) -> tuple:
     seen: set[int] = set()
 
     def token(value):
-        return value if isinstance(value, _SCALARS) else ("id", id(value))
+        if isinstance(value, _SCALARS):
+            return value
+        contents = _flags(value)
+        if contents is not None:
+            # A container of flags is read by value: mutating it switches the rule.
+            return ("items", id(value), contents)
+        return ("id", id(value))
 
     def names(code) -> list[str]:
         out = list(code.co_names)
@@ -807,7 +827,9 @@ def derivative_dependence(prim, params, operands, wrt) -> Dependence | None:
         n_other = len(jaxpr.invars) - n_seed
         outvars = _call_outvars(params)
         float_outs = [
-            k for k, v in enumerate(outvars) if jnp.issubdtype(v.aval.dtype, jnp.inexact)
+            k
+            for k, v in enumerate(outvars)
+            if jnp.issubdtype(v.aval.dtype, jnp.inexact)
         ]
         found = _dependence(jaxpr, n_seed)
         seeds = jaxpr.invars[n_other:]
@@ -821,8 +843,10 @@ def derivative_dependence(prim, params, operands, wrt) -> Dependence | None:
                 for s in found[a]:
                     deps[float_outs[s]].add(i)
                 out = jaxpr.outvars[a]
-                if not isinstance(out, jp.Literal) and out in seeds and _same_type(
-                    out, operands[i]
+                if (
+                    not isinstance(out, jp.Literal)
+                    and out in seeds
+                    and _same_type(out, operands[i])
                 ):
                     identities.add((float_outs[seeds.index(out)], i))
         else:  # seeds: the operands' tangents; results: the outputs' tangents
@@ -1106,7 +1130,7 @@ def _custom_rule_body(prim, use_vjp):
 def _coupled_partials(prim, params, primals, idx, outs, modes) -> Partials:
     """The partials of a call with several outputs: identities and zeros where the
     rule passes a (co)tangent through or gives none (see `derivative_dependence`),
-    the rest dense, by differentiating only the outputs and operands left."""
+    the rest dense, by differentiating only the outputs left."""
     active = [i in idx for i in range(len(primals))]
     found = derivative_dependence(prim, params, primals, idx)
     if found is None:
@@ -1124,16 +1148,10 @@ def _coupled_partials(prim, params, primals, idx, outs, modes) -> Partials:
             else:
                 rest.setdefault(k, set()).add(i)
     if rest:
-        wrt = set().union(*rest.values())
+        # With respect to every active operand, as JAX differentiates: a rule with
+        # symbolic zeros sees the same operands perturbed.
         with outputs_needed(prim, [k in rest for k in range(len(outs))]):
-            dense = dense_jacobian(
-                prim,
-                params,
-                primals,
-                [i in wrt for i in range(len(primals))],
-                outs,
-                modes,
-            )
+            dense = dense_jacobian(prim, params, primals, active, outs, modes)
         partials.update((key, p) for key, p in dense.items() if key[1] in rest[key[0]])
     return partials
 
