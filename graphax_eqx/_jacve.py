@@ -201,9 +201,9 @@ class _Traced:
 def _param_key(value) -> Any:
     """A hashable stand-in for an equation parameter, equal across re-traces."""
     if isinstance(value, jp.ClosedJaxpr):
-        return ("closed_jaxpr", str(value.jaxpr), _avals_key(value.consts))
+        return ("closed_jaxpr", jp.jaxpr_text(value.jaxpr), _avals_key(value.consts))
     if isinstance(value, jp.Jaxpr):
-        return ("jaxpr", str(value))
+        return ("jaxpr", jp.jaxpr_text(value))
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(_param_key(v) for v in value))
     if isinstance(value, dict):

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import types
+from collections import OrderedDict
 from typing import Any
 
 import jax
@@ -188,6 +189,26 @@ def scan_counts(params: dict) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+# The text of jaxprs, by identity: a jitted function's body is one object from trace
+# to trace (JAX caches it), and printing a large one takes milliseconds every call.
+# Jaxprs are immutable; each entry keeps its jaxpr alive, so its `id` is not reused.
+_TEXTS: OrderedDict = OrderedDict()
+_MAX_TEXTS = 1024
+
+
+def jaxpr_text(jaxpr) -> str:
+    """`str(jaxpr)`, remembered for the same object."""
+    found = _TEXTS.get(id(jaxpr))
+    if found is not None and found[0] is jaxpr:
+        _TEXTS.move_to_end(id(jaxpr))
+        return found[1]
+    text = str(jaxpr)
+    _TEXTS[id(jaxpr)] = (jaxpr, text)
+    if len(_TEXTS) > _MAX_TEXTS:
+        _TEXTS.popitem(last=False)
+    return text
 
 
 def custom_call_jaxpr(eqn):

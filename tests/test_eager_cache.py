@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from jax import lax
 
 import graphax_eqx as gx
 from graphax_eqx import _jacve
@@ -490,3 +491,59 @@ def test_each_order_compiles_on_its_first_call(sparse):
     # The other output kind is a first call of its own.
     gx.jacve(_array_program, order="fwd", sparse_representation=not sparse)(x)
     assert _compiled() == len(orders) + 1
+
+
+@jax.custom_vjp
+def _iterated(x, w):
+    return jnp.tanh(w @ x), jnp.sum(x)
+
+
+def _iterated_fwd(x, w):
+    return _iterated(x, w), (x, w)
+
+
+def _iterated_bwd(res, ct):
+    # A transpose that loops, as checkpointed solves do: applied to every row of a
+    # dense local Jacobian, eagerly, it runs primitive by primitive.
+    x, w = res
+    a, b = ct
+    y = jnp.tanh(w @ x)
+    g = w.T @ (a * (1 - y**2))
+
+    def body(k, acc):
+        return acc + b / 4.0
+
+    return lax.fori_loop(0, 4, body, g), jnp.outer(a * (1 - y**2), x)
+
+
+_iterated.defvjp(_iterated_fwd, _iterated_bwd)
+
+
+@jax.jit
+def _solved(x, w):
+    value, total = _iterated(jnp.sin(x), w)
+    return value * total
+
+
+def _solve_like(x, w):
+    # Indices computed from `x` shape the graph, read by value as eager JAX reads
+    # them: the engine runs one operation at a time (no whole-program compile).
+    return _solved(x, w)[jnp.argsort(x)]
+
+
+def test_eager_dense_jacobians_of_jitted_bodies_are_compiled():
+    # From the second eager call on, the local Jacobian of a call inside a jitted
+    # function (the same equation objects every trace) runs compiled; values are
+    # its arguments, so every call reads them anew.
+    from graphax_eqx._rules import fallback
+
+    w = jr.normal(jr.PRNGKey(0), (6, 6))
+    jac = gx.jacve(_solve_like, order="rev")
+    for k in range(3):
+        x = jnp.linspace(-1.0, 1.0, 6) * (k + 1)
+        np.testing.assert_allclose(
+            jac(x, w), jax.jacrev(_solve_like)(x, w), rtol=1e-5, atol=1e-6
+        )
+        w = w * 0.5
+    compiled = [v for v in fallback._SEEN.values() if not isinstance(v, int)]
+    assert compiled, "no local Jacobian was compiled"

@@ -645,7 +645,7 @@ def _cached(what: str, prim, params, operands, wrt, use_vjp, compute):
     try:
         functions = jp.custom_rule_functions(params)
         closed = params.get("call_jaxpr")
-        body = str(closed.jaxpr if hasattr(closed, "jaxpr") else closed)
+        body = jp.jaxpr_text(closed.jaxpr if hasattr(closed, "jaxpr") else closed)
         types_ = tuple(str(jax.typeof(x)) for x in operands)
         state = _state_read(functions)
         key = (what, prim, functions, state, body, types_, tuple(wrt), use_vjp)

@@ -10,9 +10,11 @@ one mode (`while` is forward-only) use that one.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import _jax_private as jp
@@ -32,13 +34,6 @@ def dense_jacobian(prim, params, primals, active, outs, modes=None):
     if not idx or not float_outs:
         return {}
 
-    def f(*xs):
-        args = list(primals)
-        for i, x in zip(idx, xs, strict=True):
-            args[i] = x
-        res = jp.bind(prim, params, *args)
-        return [res[k] for k in float_outs]
-
     if modes is None:
         n_in = sum(math.prod(shape_of(primals[i])) for i in idx)
         n_out = sum(math.prod(shape_of(outs[k])) for k in float_outs)
@@ -47,8 +42,6 @@ def dense_jacobian(prim, params, primals, active, outs, modes=None):
             modes = ("fwd",)
         elif prim in _REVERSE_ONLY:
             modes = ("rev",)
-    argnums = tuple(range(len(idx)))
-    xs = [primals[i] for i in idx]
     if "fwd" in modes:
         # Some batching rules batch the primal result along with the tangents (the
         # generic `reduce_window`, whose JVP reduces both in one window), which
@@ -57,11 +50,7 @@ def dense_jacobian(prim, params, primals, active, outs, modes=None):
     error = None
     for mode in modes:
         try:
-            if mode == "tangents":
-                jac = _jacobian_by_tangents(f, xs)
-            else:
-                jacobian = jax.jacfwd if mode == "fwd" else jax.jacrev
-                jac = jacobian(f, argnums=argnums)(*xs)
+            jac = _compiled_when_seen(prim, params, idx, float_outs, mode, primals)
             break
         except Exception as e:  # the other mode may still work (custom rules)
             if error is None or mode != "tangents":
@@ -78,6 +67,93 @@ def dense_jacobian(prim, params, primals, active, outs, modes=None):
             block = jac[pos][a].astype(outs[k].dtype)
             partials[(k, i)] = dense(block, out_shape, shape_of(primals[i]))
     return partials
+
+
+def _local_jacobian(prim, params, idx, float_outs, mode, primals):
+    """The Jacobian of outputs `float_outs` of the `prim` equation with respect to
+    its operands `idx`, at `primals`, by `mode`."""
+
+    def f(*xs):
+        args = list(primals)
+        for i, x in zip(idx, xs, strict=True):
+            args[i] = x
+        res = jp.bind(prim, params, *args)
+        return [res[k] for k in float_outs]
+
+    xs = [primals[i] for i in idx]
+    if mode == "tangents":
+        return _jacobian_by_tangents(f, xs)
+    jacobian = jax.jacfwd if mode == "fwd" else jax.jacrev
+    return jacobian(f, argnums=tuple(range(len(idx))))(*xs)
+
+
+# Eager calls evaluate the graph one operation at a time. A dense local Jacobian
+# through a loop (diffrax's checkpointed solve: a `custom_vjp` around a `while_loop`)
+# then runs the loop's transpose under `vmap` primitive by primitive, which took 1.2 s
+# where `jax.jacrev`, which keeps the solve's `jax.jit`, took 8 ms. From the second
+# eager call with the same equation (its params the same objects: the body of a
+# jitted function, which JAX traces once) the local Jacobian runs compiled instead;
+# params traced anew on every call never repeat, and run eagerly as before.
+_SEEN: OrderedDict = OrderedDict()  # key -> sightings, or the compiled function
+_MAX_SEEN = 256
+
+
+class _Identity:
+    """A key part equal only to the same object, which it keeps alive (so that its
+    `id` is not reused while the key exists)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _params_key(params) -> tuple:
+    parts = []
+    for name, value in sorted(params.items()):
+        try:
+            hash(value)
+        except TypeError:
+            value = _Identity(value)
+        parts.append((name, value))
+    return tuple(parts)
+
+
+def _compiled_when_seen(prim, params, idx, float_outs, mode, primals):
+    args = (prim, params, idx, float_outs, mode)
+    if any(isinstance(p, jp.Tracer) for p in primals) or not all(
+        isinstance(p, (jax.Array, np.ndarray, np.generic, int, float, bool))
+        for p in primals
+    ):
+        return _local_jacobian(*args, primals)
+    try:
+        key = (prim, _params_key(params), tuple(idx), tuple(float_outs), mode)
+        hash(key)
+    except TypeError:
+        return _local_jacobian(*args, primals)
+    found = _SEEN.get(key)
+    if found is None or isinstance(found, int):
+        _SEEN[key] = (found or 0) + 1
+        _SEEN.move_to_end(key)
+        if len(_SEEN) > _MAX_SEEN:
+            _SEEN.popitem(last=False)
+        if found is None:
+            return _local_jacobian(*args, primals)
+        compiled = jax.jit(
+            lambda primals: _local_jacobian(
+                prim, params, idx, float_outs, mode, primals
+            )
+        )
+        _SEEN[key] = compiled
+        found = compiled
+    _SEEN.move_to_end(key)
+    return found(list(primals))
 
 
 def _jacobian_by_tangents(f, xs):
