@@ -56,6 +56,19 @@ def _cases():
         lambda: gx.jacve(mixed)(u),
         lambda: jax.jacrev(mixed)(u),
     )
+    try:
+        import diffrax
+    except ImportError:  # pragma: no cover
+        return
+    from .models import _lorenz_solve
+
+    solve = _lorenz_solve(diffrax.RecursiveCheckpointAdjoint())
+    y0 = jnp.array([1.0, 1.0, 1.0])
+    yield (
+        "diffrax Lorenz (checkpointed adjoint), jacve vs jax.jacrev",
+        lambda: gx.jacve(solve)(y0),
+        lambda: jax.jacrev(solve)(y0),
+    )
 
 
 def _time(fn) -> float:
