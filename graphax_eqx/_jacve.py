@@ -44,6 +44,7 @@ from ._indexed import (
     sums_as_gathers,
 )
 from ._orders import graph_fingerprint, normalise_order, resolve
+from ._rules._base import Same
 from ._sparse import LinearMap, SparseTensor, to_sparse
 
 
@@ -908,22 +909,6 @@ class _Unkeyable(Exception):
     """The program holds something no key can stand for soundly."""
 
 
-class _Same:
-    """A key part equal only to the same object. It keeps the object alive, so that
-    its `id` is not reused while the key exists."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Same) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-
 def _value_bytes(x) -> tuple[np.ndarray, bytes]:
     """`x` as a NumPy array, and its bytes to key on (a digest of large values, as
     keys are kept)."""
@@ -1000,12 +985,12 @@ class _ValueKey:
             callable(value) and not isinstance(value, type)
         ):
             if not custom:
-                self.parts.append(_Same(value))
+                self.parts.append(Same(value))
         else:
             try:
                 hash(value)
             except TypeError:  # the fingerprint has its `repr`, which may elide
-                self.parts.append(_Same(value))
+                self.parts.append(Same(value))
 
     def rule(self, prim, params, in_types) -> None:
         """The custom rule as it is now: its JVP (or VJP) traced, by structure and
@@ -1073,7 +1058,7 @@ def _compiled_key(
         _arg_type(x) for k, x in enumerate(program.consts) if k not in plan.baked_consts
     )
     key = (
-        _Same(traced.analysis),
+        Same(traced.analysis),
         order_spec,
         sparse,
         types,

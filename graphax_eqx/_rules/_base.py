@@ -60,6 +60,22 @@ def needed_outputs(prim, n: int) -> tuple[bool, ...]:
     return found[1]
 
 
+class Same:
+    """A cache-key part equal only to the same object. It keeps the object alive, so
+    that its `id` is not reused while the key exists."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 def register(*primitives) -> Callable[[Rule], Rule]:
     """Register the decorated rule for each of `primitives` (those that exist)."""
 

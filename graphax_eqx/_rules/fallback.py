@@ -19,7 +19,7 @@ from jax import lax
 
 from .. import _jax_private as jp
 from .._sparse import dense
-from ._base import active_indices, is_float, needed_outputs, shape_of
+from ._base import Same, active_indices, is_float, needed_outputs, shape_of
 
 
 _FORWARD_ONLY = {lax.while_p}
@@ -98,29 +98,13 @@ _SEEN: OrderedDict = OrderedDict()  # key -> sightings, or the compiled function
 _MAX_SEEN = 256
 
 
-class _Identity:
-    """A key part equal only to the same object, which it keeps alive (so that its
-    `id` is not reused while the key exists)."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Identity) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-
 def _params_key(params) -> tuple:
     parts = []
     for name, value in sorted(params.items()):
         try:
             hash(value)
         except TypeError:
-            value = _Identity(value)
+            value = Same(value)
         parts.append((name, value))
     return tuple(parts)
 
