@@ -1258,3 +1258,37 @@ def test_rule_switched_by_a_mutated_flag_is_read_again():
             )
     finally:
         _ROUTE["swap"] = False
+
+
+@jax.custom_vjp
+def _checked_cumsum(x):
+    return jnp.cumsum(jnp.sin(x))
+
+
+def _checked_cumsum_fwd(x):
+    return _checked_cumsum(x), x
+
+
+def _checked_cumsum_bwd(x, g):
+    # A check on the residuals, not on the cotangent: the rule is linear in it.
+    g = eqx.error_if(g, x[0] > 0.5, "the first entry is too large")
+    return (jnp.cos(x) * jnp.cumsum(g[::-1])[::-1],)
+
+
+_checked_cumsum.defvjp(_checked_cumsum_fwd, _checked_cumsum_bwd)
+
+
+@pytest.mark.parametrize("order", ["rev", "fwd"])
+def test_rule_checking_its_residuals_with_error_if(order):
+    x = jnp.array([0.1, -0.4, 0.3, 1.0, -2.0])
+    np.testing.assert_allclose(
+        gx.jacve(_checked_cumsum, order=order)(x),
+        jax.jacrev(_checked_cumsum)(x),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+    # When the check fires, the call raises (`eqx.EquinoxRuntimeError` with the
+    # message under XLA's default flags; this suite compiles with others, under
+    # which the callback's error reaches Python as XLA's own).
+    with pytest.raises(Exception, match="too large|runtime of your JAX program"):
+        jax.block_until_ready(gx.jacve(_checked_cumsum, order=order)(x.at[0].set(1.0)))

@@ -547,3 +547,53 @@ def test_eager_dense_jacobians_of_jitted_bodies_are_compiled():
         w = w * 0.5
     compiled = [v for v in fallback._SEEN.values() if not isinstance(v, int)]
     assert compiled, "no local Jacobian was compiled"
+
+
+_BWD_SCALE = {"value": 1.0}
+
+
+@jax.custom_vjp
+def _scaled(x, w):
+    return jnp.tanh(w @ x)
+
+
+def _scaled_fwd(x, w):
+    return _scaled(x, w), (x, w)
+
+
+def _scaled_bwd(res, g):
+    x, w = res
+    a = g * (1 - jnp.tanh(w @ x) ** 2)
+    return _BWD_SCALE["value"] * (w.T @ a), jnp.outer(a, x)
+
+
+_scaled.defvjp(_scaled_fwd, _scaled_bwd)
+
+
+@jax.jit
+def _scaled_twice(x, w):
+    return _scaled(x, w) * 2.0
+
+
+def test_compiled_local_jacobians_follow_what_rules_read():
+    # The rule reads a value that changes between eager calls: each call runs it
+    # as it is now, as an eager `jax.jacrev` of the unjitted function would.
+    def f(x, w):
+        return _scaled_twice(x, w)[jnp.argsort(x)]
+
+    def unjitted(x, w):
+        return (_scaled(x, w) * 2.0)[jnp.argsort(x)]
+
+    w = jr.normal(jr.PRNGKey(0), (5, 5))
+    x = jnp.linspace(-1.0, 1.0, 5)
+    try:
+        for scale in (1.0, 2.0, 3.0, 4.0, 4.0):
+            _BWD_SCALE["value"] = scale
+            np.testing.assert_allclose(
+                gx.jacve(f, order="rev")(x, w),
+                jax.jacrev(unjitted)(x, w),
+                rtol=1e-5,
+                atol=1e-6,
+            )
+    finally:
+        _BWD_SCALE["value"] = 1.0

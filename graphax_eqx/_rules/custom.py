@@ -509,10 +509,13 @@ def _seed_facts(jaxpr, facts: list, consts: Sequence = ()) -> list:
             return [True if ok else prim.name] * n_out
         if prim is lax.cond_p:
             branches = eqn.params["branches"]
-            if deps[0] == _GUARD:
-                branches = [b for b in branches if not _raises(b)]
-            elif _dependent(deps[0]):
+            if _dependent(deps[0]):
                 return ["cond"] * n_out
+            if deps[0] == _GUARD or deps[0] is False or deps[0] is _ZERO:
+                # A branch that raises (`eqx.error_if`, on a guard of the seed or
+                # on the residuals) returns nothing that is used.
+                kept = [b for b in branches if not _raises(b)]
+                branches = kept or branches
             found = [
                 [_collapse(f) for f in _seed_facts(b.jaxpr, deps[1:], b.consts)]
                 for b in branches
@@ -639,6 +642,45 @@ def _state_read(functions: tuple) -> tuple:
         if isinstance(fn, types.FunctionType):
             visit(fn, 0)
     return tuple(found)
+
+
+# The custom rules nested in a jaxpr, by identity (see `jp.jaxpr_text`).
+_NESTED: OrderedDict = OrderedDict()
+
+
+def _nested_rules(jaxpr) -> tuple:
+    """The params of every custom-derivative call in `jaxpr`, at any depth."""
+    found = _NESTED.get(id(jaxpr))
+    if found is not None and found[0] is jaxpr:
+        return found[1]
+    rules = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in _CUSTOM_CALLS:
+            rules.append(eqn.params)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jp.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jp.Jaxpr):
+                    rules.extend(_nested_rules(sub))
+    _NESTED[id(jaxpr)] = (jaxpr, tuple(rules))
+    if len(_NESTED) > _MAX_TRACED:
+        _NESTED.popitem(last=False)
+    return tuple(rules)
+
+
+def rules_state(prim, params) -> tuple:
+    """What the custom rules of a `prim` equation (itself, or nested in its bodies)
+    read besides their arguments (see `_state_read`), for keying what was computed
+    with them."""
+    rules = [params] if prim in _CUSTOM_CALLS else []
+    for value in params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(sub, jp.ClosedJaxpr):
+                sub = sub.jaxpr
+            if isinstance(sub, jp.Jaxpr):
+                rules.extend(_nested_rules(sub))
+    return tuple(_state_read(jp.custom_rule_functions(r)) for r in rules)
 
 
 def _cached(what: str, prim, params, operands, wrt, use_vjp, compute):

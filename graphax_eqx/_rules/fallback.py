@@ -53,6 +53,8 @@ def dense_jacobian(prim, params, primals, active, outs, modes=None):
             jac = _compiled_when_seen(prim, params, idx, float_outs, mode, primals)
             break
         except Exception as e:  # the other mode may still work (custom rules)
+            if _raised_by_check(e):
+                raise  # an `eqx.error_if` that fired: the user's own error
             if error is None or mode != "tangents":
                 error = e  # JAX's own transforms say best what went wrong
     else:
@@ -67,6 +69,15 @@ def dense_jacobian(prim, params, primals, active, outs, modes=None):
             block = jac[pos][a].astype(outs[k].dtype)
             partials[(k, i)] = dense(block, out_shape, shape_of(primals[i]))
     return partials
+
+
+_CHECK_ERRORS = ("EquinoxRuntimeError", "JaxRuntimeError", "XlaRuntimeError")
+
+
+def _raised_by_check(error: Exception) -> bool:
+    """Whether `error` is a runtime check firing (`eqx.error_if`, a callback that
+    raised), which no other mode of differentiation would avoid."""
+    return any(c.__name__ in _CHECK_ERRORS for c in type(error).__mro__)
 
 
 def _local_jacobian(prim, params, idx, float_outs, mode, primals):
@@ -109,6 +120,15 @@ def _params_key(params) -> tuple:
     return tuple(parts)
 
 
+def _rules_state(prim, params) -> tuple:
+    """What the custom rules of the equation (itself, or nested in its bodies) read
+    besides their arguments: an eager call runs them afresh, as eager JAX would, so
+    the compiled Jacobian is keyed on it (see `custom._state_read`)."""
+    from .custom import rules_state  # `custom` differentiates through this module
+
+    return rules_state(prim, params)
+
+
 def _compiled_when_seen(prim, params, idx, float_outs, mode, primals):
     args = (prim, params, idx, float_outs, mode)
     if any(isinstance(p, jp.Tracer) for p in primals) or not all(
@@ -117,7 +137,14 @@ def _compiled_when_seen(prim, params, idx, float_outs, mode, primals):
     ):
         return _local_jacobian(*args, primals)
     try:
-        key = (prim, _params_key(params), tuple(idx), tuple(float_outs), mode)
+        key = (
+            prim,
+            _params_key(params),
+            tuple(idx),
+            tuple(float_outs),
+            mode,
+            _rules_state(prim, params),
+        )
         hash(key)
     except TypeError:
         return _local_jacobian(*args, primals)
