@@ -570,7 +570,7 @@ def _custom_coupling(eqn: Eqn, reached: list[int], avals):
     """For a custom-derivative call with several outputs, the operands (among
     `reached`) each output has a derivative with respect to under its rule, or None
     (see `derivative_dependence`)."""
-    if eqn.prim not in _CUSTOM_CALLS or len(eqn.outvars) < 2:
+    if eqn.prim not in jp.CUSTOM_CALLS or len(eqn.outvars) < 2:
         return None
     operands = [
         a.value if isinstance(a, Lit) else jax.ShapeDtypeStruct(*avals[a])
@@ -605,9 +605,6 @@ class EdgeGraph:
             for w, e in row.items():
                 out.set(u, w, fn(e))
         return out
-
-
-_CUSTOM_CALLS = (jp.custom_jvp_call_p, jp.custom_vjp_call_p)
 
 
 # Integer results up to this many elements are computed at trace time when their

@@ -260,13 +260,15 @@ def _fingerprint(program: Program) -> tuple:
 def _analysis(program: Program, diff_mask, num_out: int) -> _Analysis:
     # What the custom rules say of their outputs shapes the graph too: two rules of
     # one name and body may route their tangents differently.
-    couplings = custom_couplings(program, diff_mask)
+    couplings = None
+    if any(e.prim in jp.CUSTOM_CALLS and len(e.outvars) > 1 for e in program.eqns):
+        couplings = custom_couplings(program, diff_mask)
     try:
         key = (
             _fingerprint(program),
             tuple(diff_mask),
             num_out,
-            tuple(sorted(couplings[1].items())),
+            () if couplings is None else tuple(sorted(couplings[1].items())),
         )
         hash(key)
     except TypeError:

@@ -81,6 +81,8 @@ call_p = _first("call_p")
 remat_p = _first("remat_p")
 custom_jvp_call_p = _first("custom_jvp_call_p")
 custom_vjp_call_p = _first("custom_vjp_call_p")
+# Calls of functions with custom derivative rules.
+CUSTOM_CALLS = (custom_jvp_call_p, custom_vjp_call_p)
 add_any_p = _first("add_jaxvals_p", "add_any_p")
 split_p = _first("split_p")
 stack_p = _first("stack_p")

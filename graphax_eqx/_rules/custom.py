@@ -655,7 +655,7 @@ def _nested_rules(jaxpr) -> tuple:
         return found[1]
     rules = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive in _CUSTOM_CALLS:
+        if eqn.primitive in jp.CUSTOM_CALLS:
             rules.append(eqn.params)
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
@@ -673,7 +673,7 @@ def rules_state(prim, params) -> tuple:
     """What the custom rules of a `prim` equation (itself, or nested in its bodies)
     read besides their arguments (see `_state_read`), for keying what was computed
     with them."""
-    rules = [params] if prim in _CUSTOM_CALLS else []
+    rules = [params] if prim in jp.CUSTOM_CALLS else []
     for value in params.values():
         for sub in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(sub, jp.ClosedJaxpr):
@@ -807,9 +807,6 @@ def _check_linear(prim, params, operands, wrt, use_vjp) -> None:
         raise _nonlinear_error(prim, params, use_vjp, name)
 
 
-_CUSTOM_CALLS = (jp.custom_jvp_call_p, jp.custom_vjp_call_p)
-
-
 class Dependence(NamedTuple):
     """Which operands each output of a custom-derivative call has a derivative with
     respect to, under its rule (see `derivative_dependence`)."""
@@ -920,7 +917,7 @@ def check_rules_inside(prim, params, active: Sequence[bool]) -> None:
     if prim in jp.COLLECTIVES and jp.positional_reduction(prim, params) is None:
         raise _collective_error(prim)
     if (
-        prim in _CUSTOM_CALLS
+        prim in jp.CUSTOM_CALLS
     ):  # checked by `_custom_rule`; its body is not differentiated
         return
     for body, body_active in _bodies_reached(prim, params, list(active)):
@@ -959,7 +956,7 @@ def _reach(
                 and jp.positional_reduction(eqn.primitive, eqn.params) is None
             ):
                 raise _collective_error(eqn.primitive)
-            if eqn.primitive in _CUSTOM_CALLS:
+            if eqn.primitive in jp.CUSTOM_CALLS:
                 types = [
                     jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars
                 ]
