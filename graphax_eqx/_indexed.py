@@ -185,10 +185,13 @@ class MappedPattern(CooPattern):
     """
 
     linear: Any = None
+    # Whether the map only copies entries (a slice, pad, gather, ... possibly
+    # composed with elementwise factors), as opposed to a convolution's.
+    copies: bool = False
 
     @functools.cached_property
     def _key(self) -> tuple:
-        return CooPattern._key.func(self) + ("map", self.linear)
+        return CooPattern._key.func(self) + ("map", self.linear, self.copies)
 
     @functools.cached_property
     def plain(self) -> CooPattern:
@@ -315,14 +318,22 @@ def plain_tensor(x):
     return x
 
 
-def mapped(ct, linear):
+def mapped(ct, linear, copies: bool = False):
     """`ct` (a partial) as a `MappedCooTensor` that is also `linear`, where it is
-    stored by coordinates; any other partial as it is."""
+    stored by coordinates; any other partial as it is. `copies`: whether `linear`
+    only copies entries."""
     if type(ct) is not CooTensor:
         return ct
     p = ct.pattern
     pattern = MappedPattern(
-        p.out_shape, p.in_shape, p.ties, p.varying, p.rows, p.cols, linear.pattern
+        p.out_shape,
+        p.in_shape,
+        p.ties,
+        p.varying,
+        p.rows,
+        p.cols,
+        linear.pattern,
+        copies,
     )
     return MappedCooTensor(ct.val, pattern, ct.dtype, ct.mask, linear)
 
@@ -1724,11 +1735,11 @@ def _map_cost(qa, qb, a_val: bool, b_val: bool) -> int | None:
 def mapped_choice(pa, pb, a_val: bool, b_val: bool) -> tuple[bool, bool]:
     """Which operands of `A · B` with a `MappedPattern` are applied as maps: the
     form of least cost, a multiplication over coordinates counting `GATHER_COST`
-    times one of a map. A band product keeps the coordinates."""
-    from ._band import band_product_plan
+    times one of a map. A band keeps the coordinates."""
+    from ._band import BandPattern
 
     qa, qb = plain(pa), plain(pb)
-    if band_product_plan(qa, qb) is not None:
+    if isinstance(qa, BandPattern) or isinstance(qb, BandPattern):
         return False, False
     cost = GATHER_COST * mixed_product_muls(qa, qb, a_val, b_val)
     if isinstance(qa, CooPattern) and isinstance(qb, CooPattern):
@@ -1737,13 +1748,41 @@ def mapped_choice(pa, pb, a_val: bool, b_val: bool) -> tuple[bool, bool]:
         if _pair_count(qa, qb)[0] > MAX_PICK_PAIRS:
             cost = math.inf
     best = (False, False)
+    stored = None
     for choice, p in (((True, False), pa), ((False, True), pb)):
         if not isinstance(p, MappedPattern):
             continue
-        c = _map_cost(*_map_form(pa, pb, *choice), a_val, b_val)
-        if c is not None and c < cost:
+        form = _map_form(pa, pb, *choice)
+        c = _map_cost(*form, a_val, b_val)
+        if c is None or c >= cost:
+            continue
+        # A map keeps no tie on the side it is applied to (every axis of the block
+        # it meets is dense there): where the coordinates' result stores fewer
+        # entries, its structure is worth more downstream than this product costs.
+        # (A convolution's map is weighed by its cost alone: calibrated so.)
+        if not p.copies:
             best, cost = choice, c
+            continue
+        if stored is None:
+            stored = _stored(mixed_product_summary(qa, qb, a_val, b_val)[0])
+        if _stored(_map_result(*form, a_val, b_val)) > stored:
+            continue
+        best, cost = choice, c
     return best
+
+
+def _map_result(qa, qb, a_val: bool, b_val: bool):
+    """The pattern of `A · B` with a map on one side (see `_map_cost`)."""
+    from ._sparse import product_plan
+
+    return product_plan(qa, qb, a_val, b_val).pattern
+
+
+def _stored(p) -> float:
+    """Entries a block of pattern `p` stores."""
+    if isinstance(p, (CooPattern, Pattern)):
+        return p.val_size
+    return math.inf
 
 
 def _structural_muls(p, has_val: bool) -> int | None:
@@ -1754,7 +1793,7 @@ def _structural_muls(p, has_val: bool) -> int | None:
     otherwise."""
     from ._sparse import _matvec_muls
 
-    if isinstance(p, CooPattern) and not isinstance(p, MappedPattern):
+    if isinstance(p, CooPattern):
         return None if has_val else 0
     if isinstance(p, Pattern):
         entries = math.prod(p.sizes)
@@ -1763,40 +1802,65 @@ def _structural_muls(p, has_val: bool) -> int | None:
     return None
 
 
+def _carried_side(pa, pb, a_val: bool, b_val: bool) -> tuple[bool, int] | None:
+    """Whether `A · B` taken over coordinates carries the map of `A` (`True`) or of
+    `B` composed with the other operand, and that operand's multiplications per
+    application (see `_carried`); `None` where it carries no map. The map of a
+    mapped operand is carried where the other is structural (`_structural_muls`);
+    of two mapped operands, that of the one the other is structural for, `A`'s
+    where both are (two copies)."""
+    a_map, b_map = isinstance(pa, MappedPattern), isinstance(pb, MappedPattern)
+    if a_map:
+        extra = _structural_muls(pb, b_val)
+        if extra is not None:
+            return True, extra
+    if b_map:
+        extra = _structural_muls(pa, a_val)
+        if extra is not None:
+            return False, extra
+    return None
+
+
 def _carried(pa, pb, a_val: bool, b_val: bool, result):
     """The `MappedPattern` of `A · B` taken over coordinates (pattern `result`),
-    when one operand is mapped and the other structural (`_structural_muls`): the
-    result is also the map composed with that operand. Else `None`."""
+    when a mapped operand meets a structural one (`_carried_side`): the result is
+    also the map composed with that operand. Else `None`."""
     from ._sparse import _MAX_UNFOLDED, LinearPattern
 
-    if not isinstance(result, CooPattern) or isinstance(pa, MappedPattern) == (
-        isinstance(pb, MappedPattern)
-    ):
+    side = _carried_side(pa, pb, a_val, b_val)
+    if not isinstance(result, CooPattern) or side is None:
         return None
-    if isinstance(pa, MappedPattern):
-        lin, extra = pa.linear, _structural_muls(pb, b_val)
-    else:
-        lin, extra = pb.linear, _structural_muls(pa, a_val)
-    if extra is None or lin.size >= _MAX_UNFOLDED:
+    carry_a, extra = side
+    carried = pa if carry_a else pb
+    lin = carried.linear
+    if lin.size >= _MAX_UNFOLDED:
         return None
     linear = LinearPattern(
         result.out_shape, result.in_shape, lin.muls + extra, lin.size + 1
     )
     r = result
     return MappedPattern(
-        r.out_shape, r.in_shape, r.ties, r.varying, r.rows, r.cols, linear
+        r.out_shape,
+        r.in_shape,
+        r.ties,
+        r.varying,
+        r.rows,
+        r.cols,
+        linear,
+        carried.copies,
     )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CarriedPlan:
     """A product over coordinates whose result carries a map (see `_carried`):
-    `inner` plans the coordinates."""
+    `inner` plans the coordinates; `carry_a` says whose map is carried."""
 
     pattern: MappedPattern
     muls: int
     has_val: bool
     inner: Any
+    carry_a: bool = True
 
 
 def _mapped_plan(pa, pb, a_val: bool, b_val: bool):
@@ -1810,7 +1874,9 @@ def _mapped_plan(pa, pb, a_val: bool, b_val: bool):
         carried = _carried(pa, pb, a_val, b_val, plan.pattern)
         if carried is None:
             return plan
-        return CarriedPlan(carried, plan.muls, plan.has_val, plan)
+        side = _carried_side(pa, pb, a_val, b_val)
+        assert side is not None
+        return CarriedPlan(carried, plan.muls, plan.has_val, plan, side[0])
     plan = product_plan(qa, qb, a_val, b_val)
     conv_a = "map" if choice[0] else None
     conv_b = "map" if choice[1] else None
@@ -2038,16 +2104,24 @@ def _carried_product(a, b, plan: CarriedPlan, dtype, final: bool):
 
     out, _ = run_product(plain_tensor(a), plain_tensor(b), plan.inner, dtype, final)
     assert isinstance(out, CooTensor) and out.pattern == plan.pattern.plain
-    if isinstance(a.pattern, MappedPattern):
-        ma = as_map(a)
-        fn = lambda t: ma.fn(apply_partial(b, t))  # noqa: E731
-        tfn = lambda y: apply_partial_t(b, ma.tfn(y))  # noqa: E731
+    if plan.carry_a:
+        ma, (b_fn, b_tfn) = as_map(a), _applied(b)
+        fn = lambda t: ma.fn(b_fn(t))  # noqa: E731
+        tfn = lambda y: b_tfn(ma.tfn(y))  # noqa: E731
     else:
-        mb = as_map(b)
-        fn = lambda t: apply_partial(a, mb.fn(t))  # noqa: E731
-        tfn = lambda y: mb.tfn(apply_partial_t(a, y))  # noqa: E731
+        (a_fn, a_tfn), mb = _applied(a), as_map(b)
+        fn = lambda t: a_fn(mb.fn(t))  # noqa: E731
+        tfn = lambda y: mb.tfn(a_tfn(y))  # noqa: E731
     linear = LinearMap(fn, tfn, plan.pattern.linear, jnp.dtype(dtype))
     return MappedCooTensor(out.val, plan.pattern, out.dtype, out.mask, linear)
+
+
+def _applied(x):
+    """A structural partial met by a carried map, applied (and its transpose): a
+    copy by its own map (a slice, a pad), anything else through what it stores."""
+    if isinstance(x, MappedCooTensor) and x.val is None and x.linear is not None:
+        return x.linear.fn, x.linear.tfn
+    return (lambda t: apply_partial(x, t)), (lambda y: apply_partial_t(x, y))
 
 
 def run_add(a, b, plan, dtype):

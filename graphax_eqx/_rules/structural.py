@@ -29,6 +29,7 @@ from .._indexed import (
     entry_pattern,
     finish,
     from_entries,
+    mapped,
 )
 from .._sparse import diagonal, from_labeled, linear_map
 from ._base import as_monoid_rule, is_float, per_slice_blocks, register, shape_of
@@ -112,20 +113,74 @@ def _numpy_sources(prim, params, in_shape):
     return None
 
 
-def _copy_partial(src, out_shape, in_shape, dtype):
+def _copy_partial(src, out_shape, in_shape, dtype, linear=None):
+    """The partial of a copy: output entry `k` is input entry `src[k]` (none where
+    `src[k] < 0`), by coordinates, and also the map `linear` (a `LinearMap`; a gather
+    of `src` unless given).
+
+    The map is what a product with a dense neighbour applies (`_indexed.mapped`):
+    rows of a dense block sliced or padded as the primitive does, where coordinates
+    would gather each entry (or materialise the copy as a matrix of zeros and ones
+    where the neighbour is large)."""
     rows = np.nonzero(src >= 0)[0]
-    return from_entries(out_shape, in_shape, rows, src[rows], dtype)
+    partial = from_entries(out_shape, in_shape, rows, src[rows], dtype)
+    if linear is None:
+        linear = _gather_map(src, in_shape, out_shape, dtype)
+    return mapped(partial, linear, copies=True)
+
+
+def _gather_map(src, in_shape, out_shape, dtype):
+    """The copy `t ↦ t.flat[src]` (zero where `src < 0`) as a linear map."""
+    keep = src >= 0
+    index = np.where(keep, src, 0).astype(np.int32 if src.size < 2**31 else np.int64)
+    every = bool(keep.all())
+
+    def fn(t):
+        out = jnp.reshape(t, (-1,))[index]
+        if not every:
+            out = jnp.where(keep, out, jnp.zeros((), out.dtype))
+        return jnp.reshape(out, out_shape)
+
+    return linear_map(fn, in_shape, out_shape, dtype)
 
 
 def _index_map_in(prim, params, args, i, out_shape, dtype):
-    """The static sparse partial of `prim` w.r.t. `args[i]`, or `None`."""
+    """The static sparse partial of `prim` w.r.t. `args[i]`, or `None`; also the
+    primitive itself as a map (see `_copy_partial`)."""
     in_shape = shape_of(args[i])
     if not _small_enough(in_shape, out_shape):
         return None
     srcs = _sources(prim, params, args, i)
     if srcs is None:
         return None
-    return _copy_partial(srcs[0], out_shape, in_shape, dtype)
+    linear = None
+    if prim in _OWN_MAPS:
+        # The other float operands (an update overwriting entries, a padding value)
+        # do not enter the derivative: zero, as `_sources` reads the map.
+        zeroed = [
+            jnp.zeros_like(a) if k != i and is_float(a) else a
+            for k, a in enumerate(args)
+        ]
+        linear = _linear_in(prim, params, zeroed, i, out_shape, dtype)
+    return _copy_partial(srcs[0], out_shape, in_shape, dtype, linear)
+
+
+# Copies applied as maps by the primitive itself (JAX transposes each of them); any
+# other copy by a gather of its sources (a scatter's kept operand: JAX transposes a
+# scatter only where its indices are unique).
+_OWN_MAPS = frozenset(
+    p
+    for p in (
+        lax.slice_p,
+        lax.rev_p,
+        lax.reshape_p,
+        lax.pad_p,
+        lax.dynamic_slice_p,
+        lax.dynamic_update_slice_p,
+        lax.gather_p,
+    )
+    if p is not None
+)
 
 
 def _linear_in(prim, params, args, i, out_shape, dtype, tfn=None, muls=0):
@@ -631,6 +686,22 @@ def _pad(primals, active, **params):
     return [out], partials
 
 
+def _embedding(in_shape, out_shape, axis, offset, dtype):
+    """The map placing an array at `offset` along `axis` of zeros of `out_shape`
+    (a padding), whose transpose is the slice back."""
+    n = in_shape[axis]
+    config = [(0, 0, 0)] * len(out_shape)
+    config[axis] = (offset, out_shape[axis] - offset - n, 0)
+    zero = jnp.zeros((), dtype)
+    return linear_map(
+        lambda t: lax.pad(t, zero.astype(t.dtype), config),
+        in_shape,
+        out_shape,
+        dtype,
+        tfn=lambda c: lax.slice_in_dim(c, offset, offset + n, axis=axis),
+    )
+
+
 @register(lax.concatenate_p)
 def _concatenate(primals, active, **params):
     out = lax.concatenate_p.bind(*primals, **params)
@@ -649,23 +720,31 @@ def _concatenate(primals, active, **params):
             region = tuple(slice(s, s + k) for s, k in zip(starts, in_shape))
             src[region] = np.arange(math.prod(in_shape)).reshape(in_shape)
             partials[(0, i)] = _copy_partial(
-                src.reshape(-1), shape, in_shape, out.dtype
+                src.reshape(-1),
+                shape,
+                in_shape,
+                out.dtype,
+                _embedding(shape_of(x), shape, dim, offset, out.dtype),
             )
         elif active[i]:
-            config = [(0, 0, 0)] * len(shape)
-            config[dim] = (offset, total - offset - n, 0)
-            zero = jnp.zeros((), out.dtype)
-            partials[(0, i)] = linear_map(
-                lambda t, config=config, zero=zero: lax.pad(t, zero, config),
-                shape_of(x),
-                shape,
-                out.dtype,
-                tfn=lambda c, offset=offset, n=n: lax.slice_in_dim(
-                    c, offset, offset + n, axis=dim
-                ),
-            )
+            partials[(0, i)] = _embedding(shape_of(x), shape, dim, offset, out.dtype)
         offset += n
     return [out], partials
+
+
+def _piece(in_shape, out_shape, axis, offset, dtype):
+    """The map taking the piece of `out_shape` at `offset` along `axis`, whose
+    transpose pads it back."""
+    n = out_shape[axis]
+    config = [(0, 0, 0)] * len(in_shape)
+    config[axis] = (offset, in_shape[axis] - offset - n, 0)
+    return linear_map(
+        lambda t: lax.slice_in_dim(t, offset, offset + n, axis=axis),
+        in_shape,
+        out_shape,
+        dtype,
+        tfn=lambda c: lax.pad(c, jnp.zeros((), c.dtype), config),
+    )
 
 
 if jp.split_p is not None:
@@ -677,32 +756,21 @@ if jp.split_p is not None:
         x = primals[0]
         in_shape = shape_of(x)
         partials = {}
-        if active[0] and _small_enough(in_shape):
-            srcs = _sources(jp.split_p, params, [x], 0)
-            assert srcs is not None
-            for k, out in enumerate(outs):
+        if not active[0]:
+            return list(outs), partials
+        srcs = _sources(jp.split_p, params, [x], 0) if _small_enough(in_shape) else None
+        offset = 0
+        for k, out in enumerate(outs):
+            linear = _piece(in_shape, shape_of(out), axis, offset, out.dtype)
+            if srcs is not None:
                 partials[(k, 0)] = _copy_partial(
-                    srcs[k], shape_of(out), in_shape, out.dtype
+                    srcs[k], shape_of(out), in_shape, out.dtype, linear
                 )
-        elif active[0]:
-            offset = 0
-            for k, out in enumerate(outs):
-                n = shape_of(out)[axis]
-                config = [(0, 0, 0)] * len(in_shape)
-                config[axis] = (offset, in_shape[axis] - offset - n, 0)
-                partials[(k, 0)] = linear_map(
-                    lambda t, offset=offset, n=n: lax.slice_in_dim(
-                        t, offset, offset + n, axis=axis
-                    ),
-                    in_shape,
-                    shape_of(out),
-                    out.dtype,
-                    tfn=lambda c, config=config: lax.pad(
-                        c, jnp.zeros((), c.dtype), config
-                    ),
-                )
-                offset += n
+            else:
+                partials[(k, 0)] = linear
+            offset += shape_of(out)[axis]
         return list(outs), partials
+
 
 
 def _copy_rule(prim):
