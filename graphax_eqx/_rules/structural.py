@@ -707,7 +707,6 @@ def _concatenate(primals, active, **params):
     out = lax.concatenate_p.bind(*primals, **params)
     dim = params["dimension"]
     shape = shape_of(out)
-    total = shape[dim]
     partials = {}
     offset = 0
     for i, x in enumerate(primals):
@@ -770,7 +769,6 @@ if jp.split_p is not None:
                 partials[(k, 0)] = linear
             offset += shape_of(out)[axis]
         return list(outs), partials
-
 
 
 def _copy_rule(prim):
