@@ -131,13 +131,14 @@ def _copy_partial(src, out_shape, in_shape, dtype, linear=None):
 
 def _gather_map(src, in_shape, out_shape, dtype):
     """The copy `t ↦ t.flat[src]` (zero where `src < 0`) as a linear map."""
-    keep = src >= 0
-    index = np.where(keep, src, 0).astype(np.int32 if src.size < 2**31 else np.int64)
-    every = bool(keep.all())
 
     def fn(t):
-        out = jnp.reshape(t, (-1,))[index]
-        if not every:
+        # The index arrays are built where the map is applied (most copies never
+        # are), as constants of that program.
+        keep = src >= 0
+        kind = np.int32 if math.prod(in_shape) < 2**31 else np.int64
+        out = jnp.reshape(t, (-1,))[np.where(keep, src, 0).astype(kind)]
+        if not keep.all():
             out = jnp.where(keep, out, jnp.zeros((), out.dtype))
         return jnp.reshape(out, out_shape)
 
