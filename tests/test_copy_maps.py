@@ -158,7 +158,7 @@ def test_a_copy_keeps_its_ties_against_a_dense_block():
     # (2, 4) moves them only, so the product keeps the tie: 4 × 8 × 8 stored
     # entries, scaled by `cos` in 256 multiplications in forward order. The reshape
     # applied as a map would store the block without its tie (1,024 entries).
-    w = jnp.asarray(_RNG.normal(size=(8, 8)))
+    w = jnp.asarray(np.random.default_rng(5).normal(size=(8, 8)))
 
     def fun(x):
         return jnp.sin(jnp.reshape(x @ w, (4, 2, 4)))
