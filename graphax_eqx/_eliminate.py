@@ -22,6 +22,7 @@ from ._indexed import (
     gathered_muls,
     mixed_product_summary,
     mixed_sum_summary,
+    rows_muls,
     spread_entries,
 )
 from ._sparse import (
@@ -78,6 +79,14 @@ def sim_gathered(a: SimEdge, b: SimEdge) -> int:
     both factors per entry pair (see [`graphax_eqx._indexed.gathered_muls`][])."""
     if _coordinates(a.pattern) or _coordinates(b.pattern):
         return gathered_muls(a.pattern, b.pattern, a.has_val, b.has_val)
+    return 0
+
+
+def sim_by_rows(a: SimEdge, b: SimEdge) -> int:
+    """The multiplications of `sim_product(a, b)` made over coordinates against a
+    full block read by rows (see [`graphax_eqx._indexed.rows_muls`][])."""
+    if _coordinates(a.pattern) or _coordinates(b.pattern):
+        return rows_muls(a.pattern, b.pattern, a.has_val, b.has_val)
     return 0
 
 

@@ -927,6 +927,82 @@ class CooProductPlan:
     b_perm: tuple[int, ...]
     b_dims: tuple[int, ...]
     densify: bool
+    # Set where one operand is a full block: the product then runs row by row.
+    rows: RowsPlan | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowsPlan:
+    """`A · B` where one operand stores every entry of its free part (a dense block
+    met by coordinates, as where reverse mode reaches a weight matrix through slices
+    or splits): each entry of the sparse operand meets a whole row of B (`side ==
+    "b"`) or a whole column of A (`side == "a"`), gathered as one contiguous slice,
+    multiplied and summed by segment along that axis. A gather per entry pair would
+    read the full operand one element at a time, several times slower.
+
+    `order` lists the sparse operand's entries sorted by the segment they add into
+    (A's free row, or B's free column), `index` the full operand's free row (of B) or
+    column (of A) each of them meets, and `shape` the full operand's free part.
+    """
+
+    side: str
+    order: np.ndarray
+    index: np.ndarray
+    seg: SegmentSum
+    shape: tuple[int, int]
+    uniform: int  # entries per segment where all segments have as many, else 0
+
+
+# A full operand is read by rows only where a row holds at least this many entries.
+MIN_ROW = 4
+
+
+def _full_row_major(p: CooPattern, untie: _Untie) -> bool:
+    """Whether `p` (an untied pattern) stores every entry of its free part, in
+    row-major order, and its value reads them in that order."""
+    if not (untie.identity or all(untie.kept)):
+        return False
+    n = p.n_in_free
+    if p.nnz != p.n_out_free * n or p.nnz == 0:
+        return False
+    flat = p.rows.astype(np.int64) * n + p.cols
+    return bool(np.array_equal(flat, np.arange(p.nnz)))
+
+
+def _full_side(pa2, untie_a, pb2, untie_b) -> str | None:
+    """Which untied operand of `A · B` a `RowsPlan` reads by rows, if any."""
+    b_full = pb2.n_in_free >= MIN_ROW and _full_row_major(pb2, untie_b)
+    a_full = pa2.n_out_free >= MIN_ROW and _full_row_major(pa2, untie_a)
+    if b_full and (not a_full or pb2.n_in_free >= pa2.n_out_free):
+        return "b"
+    return "a" if a_full else None
+
+
+@functools.lru_cache(maxsize=4096)
+def by_rows(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool) -> bool:
+    """Whether `coo_product_plan(pa, pb, a_val, b_val)` runs by rows."""
+    if not (a_val and b_val) or not _pair_count(pa, pb)[0]:
+        return False
+    return _full_side(*_untied_pair(pa, pb)) is not None
+
+
+def _rows_plan(pa2, untie_a, pb2, untie_b) -> RowsPlan | None:
+    """A `RowsPlan` for the untied operands of `A · B`, or `None`."""
+    side = _full_side(pa2, untie_a, pb2, untie_b)
+    if side == "b":
+        side, segments, index = "b", pa2.rows, pa2.cols
+        shape = (pb2.n_out_free, pb2.n_in_free)
+    elif side == "a":
+        side, segments, index = "a", pb2.cols, pb2.rows
+        shape = (pa2.n_out_free, pa2.n_in_free)
+    else:
+        return None
+    order = np.argsort(segments, kind="stable")
+    _, _, seg = _sort_unique(segments[order])
+    counts = np.bincount(seg)
+    uniform = int(counts[0]) if np.all(counts == counts[0]) else 0
+    plan = segment_sum_plan(seg, len(counts))
+    return RowsPlan(side, order, index[order], plan, shape, uniform)
 
 
 def _join(cols_a: np.ndarray, rows_b: np.ndarray, n_v: int):
@@ -1090,6 +1166,9 @@ def coo_product_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
     b_dims = tuple(sorted(res_vary.index(res_of_b[tb]) for tb in b_vary))
     densify = _store_dense(coo)
     pattern = labeled_pattern(coo)[0] if densify else coo
+    rows = None
+    if a_val and b_val and len(ia):
+        rows = _rows_plan(pa2, untie_a, pb2, untie_b)
     return CooProductPlan(
         pattern,
         coo,
@@ -1106,6 +1185,7 @@ def coo_product_plan(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
         b_perm,
         b_dims,
         densify,
+        rows,
     )
 
 
@@ -1154,51 +1234,64 @@ def segment_sum_plan(seg: np.ndarray, n: int) -> SegmentSum:
     return SegmentSum(first, tuple(rest), back)
 
 
-def _with_zero(x: Array) -> Array:
-    """`x` with a zero after the last entry of its last axis (the index one past the
-    end then selects it)."""
-    return jnp.concatenate([x, jnp.zeros(tuple(x.shape[:-1]) + (1,), x.dtype)], -1)
+def _with_zero(x: Array, axis: int = -1) -> Array:
+    """`x` with a zero after the last entry of `axis` (the index one past the end
+    then selects it)."""
+    axis = axis % x.ndim
+    shape = tuple(x.shape)
+    zero = jnp.zeros(shape[:axis] + (1,) + shape[axis + 1 :], x.dtype)
+    return jnp.concatenate([x, zero], axis)
 
 
 def _segment_sum_last(x: Array, plan: SegmentSum) -> Array:
     """The entries' sums of `x`'s last axis, holding pairs sorted by entry."""
-    lead = tuple(x.shape[:-1])
-    x = _with_zero(x)
-    out = _take_last(x, plan.first)
+    return _segment_sum_axis(x, plan, x.ndim - 1)
+
+
+def _segment_sum_axis(x: Array, plan: SegmentSum, axis: int) -> Array:
+    """The entries' sums along `axis` of `x`, holding pairs sorted by entry."""
+    shape = tuple(x.shape)
+    x = _with_zero(x, axis)
+    out = _take_axis(x, plan.first, axis)
     if plan.back is None:
         return out
     totals = []
     for rest in plan.rest:
-        rows = _take_last(x, rest.reshape(-1))
-        rows = lax.reshape(rows, lead + rest.shape)
-        totals.append(jnp.sum(rows, axis=-1, dtype=rows.dtype))
-    total = totals[0] if len(totals) == 1 else lax.concatenate(totals, len(lead))
-    return lax.add(out, _take_last(_with_zero(total), plan.back))
+        rows = _take_axis(x, rest.reshape(-1), axis)
+        split = shape[:axis] + rest.shape + shape[axis + 1 :]
+        rows = lax.reshape(rows, split)
+        totals.append(jnp.sum(rows, axis=axis + 1, dtype=rows.dtype))
+    total = totals[0] if len(totals) == 1 else lax.concatenate(totals, axis)
+    return lax.add(out, _take_axis(_with_zero(total, axis), plan.back, axis))
 
 
 def _take_last(x: Array, idx: np.ndarray) -> Array:
     """`x[..., idx]` for static in-bounds `idx`, as one `gather`."""
-    n = x.shape[-1]
+    return _take_axis(x, idx, x.ndim - 1)
+
+
+def _take_axis(x: Array, idx: np.ndarray, axis: int) -> Array:
+    """`jnp.take(x, idx, axis)` for static in-bounds `idx`, as one `gather` (of
+    whole slices along the other axes)."""
+    n = x.shape[axis]
     if len(idx) == n and np.array_equal(idx, np.arange(n)):
         return x
+    shape = tuple(x.shape)
     if n == 1:
         # Every index is 0: a broadcast, not a gather.
-        return lax.broadcast_in_dim(
-            x, tuple(x.shape[:-1]) + (len(idx),), tuple(range(x.ndim))
-        )
-    lead = tuple(x.shape[:-1])
-    k = len(lead)
+        out = shape[:axis] + (len(idx),) + shape[axis + 1 :]
+        return lax.broadcast_in_dim(x, out, tuple(range(x.ndim)))
     dnums = lax.GatherDimensionNumbers(
-        offset_dims=tuple(range(k)),
-        collapsed_slice_dims=(k,),
-        start_index_map=(k,),
+        offset_dims=tuple(d for d in range(x.ndim) if d != axis),
+        collapsed_slice_dims=(axis,),
+        start_index_map=(axis,),
     )
     indices = jnp.asarray(idx.reshape(-1, 1), _index_dtype(n))
     return lax.gather(
         x,
         indices,
         dnums,
-        lead + (1,),
+        shape[:axis] + (1,) + shape[axis + 1 :],
         indices_are_sorted=bool(np.all(idx[1:] >= idx[:-1])),
         mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
     )
@@ -1314,6 +1407,8 @@ def coo_product(a, b, plan: CooProductPlan, dtype):
     from ._band import BandTensor, to_coo as band_to_coo
 
     p = plan.coo
+    if plan.rows is not None and a.val is not None and b.val is not None:
+        return _rows_product(a, b, plan, dtype)
     res_vary = tuple(p.tie_sizes[t] for t, v in enumerate(p.varying) if v)
     npairs = len(plan.ia)
     shape = res_vary + (npairs,)
@@ -1369,6 +1464,85 @@ def coo_product(a, b, plan: CooProductPlan, dtype):
     if plan.densify:
         return to_labeled(out)
     return out
+
+
+def _rows_product(a, b, plan: CooProductPlan, dtype):
+    """`A · B` by the rows of its full operand (see `RowsPlan`)."""
+    from ._band import BandTensor, to_coo as band_to_coo
+
+    p, rows = plan.coo, plan.rows
+    assert rows is not None
+    res_vary = tuple(p.tie_sizes[t] for t, v in enumerate(p.varying) if v)
+    lead = len(res_vary)
+    # Products over (sparse entries, full row) for side "b", (full column, sparse
+    # entries) for side "a"; the sparse entries' axis is summed by segment.
+    k_full, n_full = rows.shape
+    n_e = len(rows.order)
+    shape = res_vary + ((n_e, n_full) if rows.side == "b" else (k_full, n_e))
+    e_axis = lead if rows.side == "b" else lead + 1
+    factors, masks = [], []
+    for x, untie, perm, dims, full in (
+        (a, plan.untie_a, None, plan.a_dims, rows.side == "a"),
+        (b, plan.untie_b, plan.b_perm, plan.b_dims, rows.side == "b"),
+    ):
+        if isinstance(x, BandTensor) and (full or not untie.identity):
+            x = band_to_coo(x)
+        assert x.val is not None
+        parts = [x.val] if x.mask is None else [x.val, x.mask]
+        aligned = []
+        for part in parts:
+            if full:
+                part = untie.compact(part)
+                part = lax.reshape(part, tuple(part.shape[:-1]) + rows.shape)
+                # The full operand's rows (of B) or columns (of A) each entry meets.
+                axis = part.ndim - (2 if rows.side == "b" else 1)
+                part = _take_axis(part, rows.index, axis)
+                at_dims = (lead, lead + 1)
+            else:
+                if isinstance(x, BandTensor):
+                    flat = lax.reshape(part, (math.prod(part.shape),))
+                    part = _take_last(flat, x.pattern.positions[rows.order])
+                else:
+                    part = _take_last(untie.compact(part), untie.index(rows.order))
+                # Computed once: fused into the product, XLA would recompute the
+                # gathers that make it for each entry of the full operand's rows.
+                part = lax.optimization_barrier(part)
+                at_dims = (e_axis,)
+            if perm is not None:
+                nv = len(perm)
+                part = _transpose(part, tuple(perm) + tuple(range(nv, part.ndim)))
+            if tuple(part.shape) != shape:
+                part = lax.broadcast_in_dim(part, shape, tuple(dims) + at_dims)
+            aligned.append(part)
+        factors.append(_cast(aligned[0], dtype))
+        if len(aligned) == 2:
+            masks.append(aligned[1])
+    val = lax.mul(factors[0], factors[1])
+    out_mask = None
+    if masks:
+        out_mask = masks[0] if len(masks) == 1 else lax.bitwise_or(*masks)
+        val = lax.select(out_mask, lax.full_like(val, 0), val)
+    val = _segment_rows(val, rows, e_axis)
+    if out_mask is not None:
+        # Selected away where every term of the entry is.
+        live = lax.bitwise_not(out_mask).astype(np.int32)
+        out_mask = _segment_rows(live, rows, e_axis) == 0
+        out_mask = lax.reshape(out_mask, res_vary + (p.nnz,))
+    val = lax.reshape(val, res_vary + (p.nnz,))
+    out = CooTensor(val, p, jnp.dtype(dtype), out_mask)
+    if plan.densify:
+        return to_labeled(out)
+    return out
+
+
+def _segment_rows(x: Array, rows: RowsPlan, axis: int) -> Array:
+    """The segments' sums of `x` along `axis` (see `RowsPlan`)."""
+    if rows.uniform:
+        shape = tuple(x.shape)
+        split = shape[:axis] + (shape[axis] // rows.uniform, rows.uniform)
+        x = lax.reshape(x, split + shape[axis + 1 :])
+        return jnp.sum(x, axis=axis + 1, dtype=x.dtype)
+    return _segment_sum_axis(x, rows.seg, axis)
 
 
 #
@@ -1894,30 +2068,34 @@ def _is_mapped(pa, pb) -> bool:
     return isinstance(pa, MappedPattern) or isinstance(pb, MappedPattern)
 
 
-def _counted_product(pa, pb, a_val: bool, b_val: bool) -> tuple[int, int]:
-    """`(multiplications, gathered ones)` of `mixed_product_plan(pa, pb, a_val,
-    b_val)`. Products of coordinates are counted without being planned (scoring an
-    elimination needs no more, and a product of millions of entry pairs takes
-    seconds to plan). Gathered: made entry pair by entry pair over coordinates, each
-    gathering both factors and summing the pairs by segment, several times the cost
-    of a multiplication of a dense `dot_general` or a convolution (`GATHER_COST`);
-    none where the product runs as a band, over dense free parts or as a map."""
+def _counted_product(pa, pb, a_val: bool, b_val: bool) -> tuple[int, int, int]:
+    """`(multiplications, gathered ones, ones by rows)` of `mixed_product_plan(pa,
+    pb, a_val, b_val)`. Products of coordinates are counted without being planned
+    (scoring an elimination needs no more, and a product of millions of entry pairs
+    takes seconds to plan). Gathered: made entry pair by entry pair over
+    coordinates, each gathering both factors and summing the pairs by segment,
+    several times the cost of a multiplication of a dense `dot_general` or a
+    convolution (`GATHER_COST`); none where the product runs as a band, over dense
+    free parts or as a map. By rows: made over coordinates against a full block,
+    whose rows are gathered whole (`RowsPlan`)."""
     from ._band import band_product_plan
     from ._sparse import product_plan
 
     if _is_mapped(pa, pb):
         if any(mapped_choice(pa, pb, a_val, b_val)):
-            return _mapped_plan(pa, pb, a_val, b_val).muls, 0
+            return _mapped_plan(pa, pb, a_val, b_val).muls, 0, 0
         pa, pb = plain(pa), plain(pb)
     band = band_product_plan(pa, pb)
     if band is not None:
-        return band.muls, 0
+        return band.muls, 0, 0
     entrywise, _, _, pa, pb, a_val, b_val, _ = _routed(pa, pb, a_val, b_val)
     if entrywise:
         assert isinstance(pa, CooPattern) and isinstance(pb, CooPattern)
         muls = coo_product_muls(pa, pb, a_val, b_val)
-        return muls, muls
-    return product_plan(pa, pb, a_val, b_val).muls, 0
+        if by_rows(pa, pb, a_val, b_val):
+            return muls, 0, muls
+        return muls, muls, 0
+    return product_plan(pa, pb, a_val, b_val).muls, 0, 0
 
 
 def mixed_product_muls(pa, pb, a_val: bool, b_val: bool) -> int:
@@ -1930,6 +2108,12 @@ def gathered_muls(pa, pb, a_val: bool, b_val: bool) -> int:
     """The multiplications of `mixed_product_plan(pa, pb, a_val, b_val)` made over
     coordinates, gathering both factors per entry pair (see `_counted_product`)."""
     return _counted_product(pa, pb, a_val, b_val)[1]
+
+
+def rows_muls(pa, pb, a_val: bool, b_val: bool) -> int:
+    """The multiplications of `mixed_product_plan(pa, pb, a_val, b_val)` made over
+    coordinates by the rows of a full block (see `_counted_product`)."""
+    return _counted_product(pa, pb, a_val, b_val)[2]
 
 
 def mixed_product_summary(pa, pb, a_val: bool, b_val: bool):

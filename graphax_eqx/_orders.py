@@ -441,7 +441,9 @@ def candidates(sim: Simulator) -> dict[str, list[int]]:
 #   `_sparse.MIN_CONTRACTED_MULS` multiplications) beyond the first per result entry
 #   costs `1 / CONTRACTION_SPEEDUP`: the matrix product reuses what it loads;
 # - an entry a sum of coordinate partials gathers into a result stored densely costs
-#   `SPREAD_COST`.
+#   `SPREAD_COST`;
+# - a multiplication over coordinates against a full block, whose rows are gathered
+#   whole (`_indexed.RowsPlan`), costs `ROWS_COST`.
 #
 # Every entry a product or sum writes costs `TRAFFIC_COST` on top. The fit gives it
 # no weight, but the suite's TransformerEncoder needs it: its reverse and min fill
@@ -457,6 +459,7 @@ def candidates(sim: Simulator) -> dict[str, list[int]]:
 GATHERED_COST = 32.0
 CONTRACTION_SPEEDUP = 16.0
 SPREAD_COST = 8.0
+ROWS_COST = 8.0
 TRAFFIC_COST = 0.75
 
 TIME_WEIGHTS = {
@@ -467,6 +470,7 @@ TIME_WEIGHTS = {
     "gathered": GATHERED_COST - 1.0,
     "contracted": 1.0 / CONTRACTION_SPEEDUP - 1.0,
     "spread": SPREAD_COST,
+    "by_rows": ROWS_COST - 1.0,
 }
 
 # `auto` leaves forward/reverse mode for a heuristic order only when the model
@@ -488,6 +492,7 @@ def predicted_time(cost) -> float:
         + w["gathered"] * cost.gathered
         + w["contracted"] * cost.contracted
         + w["spread"] * cost.spread
+        + w["by_rows"] * cost.by_rows
     )
 
 

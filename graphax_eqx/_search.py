@@ -81,6 +81,8 @@ class EliminationCost:
         products run as contractions (matrix products).
     - `spread`: entries sums of coordinate partials gather into results stored
         densely (mostly zeros; see `docs/orders.md`).
+    - `by_rows`: multiplications (of `num_muls`) made over coordinates against a
+        full block, whose rows are gathered whole (see `docs/orders.md`).
     - `predicted_time`: the run-time model's estimate in arbitrary units (see
         `docs/orders.md`), comparable between orders of one function only.
     """
@@ -95,6 +97,7 @@ class EliminationCost:
     gathered: int
     contracted: int
     spread: int
+    by_rows: int
     predicted_time: float
 
 
@@ -118,6 +121,7 @@ def _full_cost(sim: Simulator, ids: Sequence[int], graph_adds: int, fp: str):
         cost.gathered,
         cost.contracted,
         cost.spread,
+        cost.by_rows,
         predicted_time(cost),
     )
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from ._eliminate import (
     SimEdge,
     sim_add,
+    sim_by_rows,
     sim_contracted,
     sim_gathered,
     sim_product,
@@ -50,6 +51,9 @@ class Cost:
         of broadcast products.
     - `spread`: entries sums of coordinate partials gather into results stored
         densely (see [`graphax_eqx._indexed.spread_entries`][]).
+    - `by_rows`: the multiplications (of `muls`) made over coordinates against a
+        full block, whose rows are gathered whole (see
+        [`graphax_eqx._indexed.rows_muls`][]).
     """
 
     muls: int
@@ -60,6 +64,7 @@ class Cost:
     gathered: int = 0
     contracted: int = 0
     spread: int = 0
+    by_rows: int = 0
 
 
 class State:
@@ -147,6 +152,7 @@ class Simulator:
         self._gathered: dict[int, int] = {}
         self._contracted: dict[int, int] = {}
         self._spread: dict[int, int] = {}
+        self._by_rows: dict[int, int] = {}
         self._sum: dict[int, tuple[int, int]] = {}
         n = len(self.vertices)
         pred: list[dict[int, int]] = [{} for _ in range(n)]
@@ -189,6 +195,9 @@ class Simulator:
                 contracted = sim_contracted(self._edges[a], self._edges[b])
                 if contracted:
                     self._contracted[key] = int(contracted)
+                by_rows = sim_by_rows(self._edges[a], self._edges[b])
+                if by_rows:
+                    self._by_rows[key] = int(by_rows)
         return found
 
     def _add(self, a: int, b: int) -> tuple[int, int]:
@@ -247,12 +256,12 @@ class Simulator:
 
     def eliminate(
         self, state: State, i: int
-    ) -> tuple[int, int, int, int, int, int, int, int]:
+    ) -> tuple[int, int, int, int, int, int, int, int, int]:
         """Eliminate internal vertex `i` in place.
 
         Returns (multiplications, additions, entries written, products, new edges,
-        gathered multiplications, contracted multiplications, spread entries): the
-        fields of a [`Cost`][].
+        gathered multiplications, contracted multiplications, spread entries,
+        multiplications by rows): the fields of a [`Cost`][].
         """
         pred, succ = state.pred, state.succ
         ins = pred[i]
@@ -261,8 +270,8 @@ class Simulator:
         state.remaining.discard(i)
         prod, sums, add, wr = self._prod, self._sum, self._add, self._written
         zero, gath, con = self._zero, self._gathered, self._contracted
-        spreads = self._spread
-        muls = adds = traffic = fill = gathered = contracted = spread = 0
+        spreads, rows = self._spread, self._by_rows
+        muls = adds = traffic = fill = gathered = contracted = spread = by_rows = 0
         outs_items = list(outs.items())
         for u, b in ins.items():
             su = succ[u]
@@ -276,6 +285,7 @@ class Simulator:
                     muls += m
                     gathered += gath.get(key, 0)
                     contracted += con.get(key, 0)
+                    by_rows += rows.get(key, 0)
                 if zero[c]:
                     continue
                 traffic += wr[c]
@@ -302,6 +312,7 @@ class Simulator:
             gathered,
             contracted,
             spread,
+            by_rows,
         )
 
     def vertex_muls(self, state: State, i: int) -> int:
