@@ -749,21 +749,27 @@ def _coo_of_labeled(p: Pattern) -> tuple[CooPattern, Callable]:
             free.append(label)
     sizes = p.sizes
     free_sizes = tuple(sizes[label] for label in free)
-    grid = np.indices(free_sizes, dtype=np.int64)
-    grid = grid.reshape(len(free), math.prod(free_sizes))
-    n = grid.shape[1]
+    n = math.prod(free_sizes)
     out_free = [k for k in range(nout) if p.labels[k] in free]
     in_free = [k for k in range(len(p.in_shape)) if p.labels[nout + k] in free]
-    rows = _ravel(
-        [grid[free.index(p.labels[k])] for k in out_free],
-        tuple(p.out_shape[k] for k in out_free),
-        n,
-    )
-    cols = _ravel(
-        [grid[free.index(p.labels[nout + k])] for k in in_free],
-        tuple(p.in_shape[k] for k in in_free),
-        n,
-    )
+    n_in = math.prod(p.in_shape[k] for k in in_free)
+    in_order = [p.labels[k] for k in out_free] + [p.labels[nout + k] for k in in_free]
+    if in_order == free:
+        # The free labels run over the output's axes, then the input's: entry `e`
+        # is row `e // n_in`, column `e % n_in`.
+        rows, cols = np.divmod(np.arange(n, dtype=np.int64), max(n_in, 1))
+    else:
+        grid = np.indices(free_sizes, dtype=np.int64).reshape(len(free), n)
+        rows = _ravel(
+            [grid[free.index(p.labels[k])] for k in out_free],
+            tuple(p.out_shape[k] for k in out_free),
+            n,
+        )
+        cols = _ravel(
+            [grid[free.index(p.labels[nout + k])] for k in in_free],
+            tuple(p.in_shape[k] for k in in_free),
+            n,
+        )
     order_t = sorted(range(len(ties)), key=lambda t: ties[t][0])
     tie_labels = [p.labels[ties[t][0]] for t in order_t]
     ties = [ties[t] for t in order_t]
@@ -1129,18 +1135,48 @@ def _product_muls(coo: CooPattern, pairs: int, a_val: bool, b_val: bool) -> int:
     return pairs * math.prod(coo.tie_sizes[t] for t, v in enumerate(coo.varying) if v)
 
 
+# Past this many entry pairs, the entries of a product are found by a sparse matrix
+# product of the two patterns (compiled, without listing the pairs) rather than by
+# listing, sorting and deduplicating the pairs in NumPy.
+MIN_SPARSE_JOIN = 1 << 16
+
+
+def _product_entries(pa2: CooPattern, pb2: CooPattern) -> np.ndarray:
+    """The sorted distinct flat entries of `A · B` for untied operands: a product of
+    the two patterns as `scipy.sparse` matrices of ones, whose stored entries are
+    where at least one pair lands (sums of ones are never zero)."""
+    import scipy.sparse as sp
+
+    n_v, n_u = pa2.n_in_free, pb2.n_in_free
+    a = sp.csr_matrix(
+        (np.ones(pa2.nnz, np.int32), (pa2.rows, pa2.cols)),
+        shape=(pa2.n_out_free, n_v),
+    )
+    b = sp.csr_matrix(
+        (np.ones(pb2.nnz, np.int32), (pb2.rows, pb2.cols)), shape=(n_v, n_u)
+    )
+    c = a @ b
+    c.sort_indices()
+    rows = np.repeat(np.arange(c.shape[0], dtype=np.int64), np.diff(c.indptr))
+    return rows * n_u + c.indices.astype(np.int64)
+
+
 @functools.lru_cache(maxsize=4096)
 def coo_product_summary(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool):
     """`(pattern, has_val, muls)` of `coo_product_plan(pa, pb, a_val, b_val)`,
     without keeping its entry pairs: what simulating an elimination needs, at a
     fraction of the memory of a plan of millions of pairs."""
-    pa2, _, pb2, _, _, _, keys = _product_keys(pa, pb)
-    uniq = _distinct(keys)
-    has_val = a_val or b_val or len(uniq) != len(keys)
+    pairs, pa2, pb2 = _pair_count(pa, pb)
+    if pairs >= MIN_SPARSE_JOIN:
+        uniq = _product_entries(pa2, pb2)
+    else:
+        pa2, _, pb2, _, _, _, keys = _product_keys(pa, pb)
+        uniq = _distinct(keys)
+    has_val = a_val or b_val or len(uniq) != pairs
     coo, _ = _product_pattern(pa, pb, pa2, pb2, uniq, has_val, a_val, b_val)
     densify = _store_dense(coo)
     pattern = labeled_pattern(coo)[0] if densify else coo
-    muls = _product_muls(coo, len(keys), a_val, b_val)
+    muls = _product_muls(coo, pairs, a_val, b_val)
     return pattern, True if densify else has_val, muls
 
 
