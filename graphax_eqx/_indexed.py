@@ -939,16 +939,20 @@ class CooProductPlan:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RowsPlan:
-    """`A · B` where one operand stores every entry of its free part (a dense block
-    met by coordinates, as where reverse mode reaches a weight matrix through slices
-    or splits): each entry of the sparse operand meets a whole row of B (`side ==
-    "b"`) or a whole column of A (`side == "a"`), gathered as one contiguous slice,
-    multiplied and summed by segment along that axis. A gather per entry pair would
-    read the full operand one element at a time, several times slower.
+    """`A · B` where one operand stores whole rows: every entry of its free part (a
+    dense block met by coordinates, as where reverse mode reaches a weight matrix
+    through slices or splits), or, for B, runs of `L` consecutive columns starting
+    at multiples of `L` in every row (a block diagonal: per-token blocks whose tie
+    the other operand lacks). Each entry of the sparse operand meets a whole row of
+    B (`side == "b"`) or a whole column of a full A (`side == "a"`), gathered as one
+    contiguous slice, multiplied and summed by segment along that axis. A gather per
+    entry pair would read the operand one element at a time, several times slower.
 
     `order` lists the sparse operand's entries sorted by the segment they add into
-    (A's free row, or B's free column), `index` the full operand's free row (of B) or
-    column (of A) each of them meets, and `shape` the full operand's free part.
+    (A's free row and the block of columns of the row of B it meets, or B's free
+    column), `index` the row of B or column of A each of them meets, and `shape`
+    the operand read by rows, as (rows, entries per row) for B or (rows, columns)
+    for A.
     """
 
     side: str
@@ -957,31 +961,48 @@ class RowsPlan:
     seg: SegmentSum
     shape: tuple[int, int]
     uniform: int  # entries per segment where all segments have as many, else 0
+    # Where the value of the operand read by rows holds each of its entries in
+    # row-major order (`None`: in that order already).
+    gather: np.ndarray | None = None
 
 
-# A full operand is read by rows only where a row holds at least this many entries.
+# An operand is read by rows only where a row holds at least this many entries.
 MIN_ROW = 4
 
 
-def _full_row_major(p: CooPattern, untie: _Untie) -> bool:
-    """Whether `p` (an untied pattern) stores every entry of its free part, in
-    row-major order, and its value reads them in that order."""
-    if not (untie.identity or all(untie.kept)):
-        return False
-    n = p.n_in_free
-    if p.nnz != p.n_out_free * n or p.nnz == 0:
-        return False
-    flat = p.rows.astype(np.int64) * n + p.cols
-    return bool(np.array_equal(flat, np.arange(p.nnz)))
+def _row_runs(p: CooPattern) -> tuple[int, np.ndarray | None]:
+    """`(L, perm)` where every row of `p` (an untied pattern) stores the `L`
+    consecutive columns from a multiple of `L` (`L` is the width of the free part
+    where `p` is full), and `perm` lists its entries in row-major order (`None`
+    where they are in that order already); `(0, None)` where its rows are not such
+    runs."""
+    k, n = p.n_out_free, p.n_in_free
+    if not p.nnz or p.nnz % k or n % (p.nnz // k):
+        return 0, None
+    run = p.nnz // k
+    rows, cols, perm = p.rows, p.cols, None
+    flat = rows.astype(np.int64) * n + cols
+    if len(flat) > 1 and not np.all(flat[1:] > flat[:-1]):
+        perm = np.argsort(flat, kind="stable")
+        rows, cols = rows[perm], cols[perm]
+    if not np.array_equal(rows, np.repeat(np.arange(k), run)):
+        return 0, None
+    cols = cols.reshape(k, run)
+    start = cols[:, :1]
+    if np.any(start % run) or np.any(cols - start != np.arange(run)):
+        return 0, None
+    return run, perm
 
 
-def _full_side(pa2, untie_a, pb2, untie_b) -> str | None:
-    """Which untied operand of `A · B` a `RowsPlan` reads by rows, if any."""
-    b_full = pb2.n_in_free >= MIN_ROW and _full_row_major(pb2, untie_b)
-    a_full = pa2.n_out_free >= MIN_ROW and _full_row_major(pa2, untie_a)
-    if b_full and (not a_full or pb2.n_in_free >= pa2.n_out_free):
-        return "b"
-    return "a" if a_full else None
+def _rows_side(pa2, pb2) -> tuple[str, int, np.ndarray | None] | None:
+    """Which untied operand of `A · B` a `RowsPlan` reads by rows, its run length
+    and the order of its entries (see `_row_runs`); `None` where neither can be."""
+    b_run, b_perm = _row_runs(pb2)
+    a_run, a_perm = _row_runs(pa2) if pa2.n_out_free >= MIN_ROW else (0, None)
+    a_full = a_run and a_run == pa2.n_in_free
+    if b_run >= MIN_ROW and (not a_full or b_run >= pa2.n_out_free):
+        return "b", b_run, b_perm
+    return ("a", a_run, a_perm) if a_full else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -989,26 +1010,35 @@ def by_rows(pa: CooPattern, pb: CooPattern, a_val: bool, b_val: bool) -> bool:
     """Whether `coo_product_plan(pa, pb, a_val, b_val)` runs by rows."""
     if not (a_val and b_val) or not _pair_count(pa, pb)[0]:
         return False
-    return _full_side(*_untied_pair(pa, pb)) is not None
+    pa2, _, pb2, _ = _untied_pair(pa, pb)
+    return _rows_side(pa2, pb2) is not None
 
 
 def _rows_plan(pa2, untie_a, pb2, untie_b) -> RowsPlan | None:
     """A `RowsPlan` for the untied operands of `A · B`, or `None`."""
-    side = _full_side(pa2, untie_a, pb2, untie_b)
-    if side == "b":
-        side, segments, index = "b", pa2.rows, pa2.cols
-        shape = (pb2.n_out_free, pb2.n_in_free)
-    elif side == "a":
-        side, segments, index = "a", pb2.cols, pb2.rows
-        shape = (pa2.n_out_free, pa2.n_in_free)
-    else:
+    found = _rows_side(pa2, pb2)
+    if found is None:
         return None
+    side, run, perm = found
+    if side == "b":
+        # Segments: A's row, and the block of `run` columns the row of B covers.
+        cols = pb2.cols if perm is None else pb2.cols[perm]
+        start = cols[::run].astype(np.int64)
+        segments = pa2.rows.astype(np.int64) * (pb2.n_in_free // run)
+        segments = segments + start[pa2.cols] // run
+        index, shape, untie, nnz = pa2.cols, (pb2.n_out_free, run), untie_b, pb2.nnz
+    else:
+        segments, index = pb2.cols, pb2.rows
+        shape, untie, nnz = (pa2.n_out_free, pa2.n_in_free), untie_a, pa2.nnz
+    # Where the value of the operand read by rows sits for each entry, row-major.
+    read = untie.index(np.arange(nnz) if perm is None else perm)
+    gather = None if np.array_equal(read, np.arange(nnz)) else read
     order = np.argsort(segments, kind="stable")
     _, _, seg = _sort_unique(segments[order])
     counts = np.bincount(seg)
     uniform = int(counts[0]) if np.all(counts == counts[0]) else 0
     plan = segment_sum_plan(seg, len(counts))
-    return RowsPlan(side, order, index[order], plan, shape, uniform)
+    return RowsPlan(side, order, index[order], plan, shape, uniform, gather)
 
 
 def _join(cols_a: np.ndarray, rows_b: np.ndarray, n_v: int):
@@ -1155,7 +1185,7 @@ def _product_entries(pa2: CooPattern, pb2: CooPattern) -> np.ndarray:
     b = sp.csr_matrix(
         (np.ones(pb2.nnz, np.int32), (pb2.rows, pb2.cols)), shape=(n_v, n_u)
     )
-    c = a @ b
+    c: Any = a @ b  # a CSR matrix
     c.sort_indices()
     rows = np.repeat(np.arange(c.shape[0], dtype=np.int64), np.diff(c.indptr))
     return rows * n_u + c.indices.astype(np.int64)
@@ -1529,6 +1559,10 @@ def _rows_product(a, b, plan: CooProductPlan, dtype):
         for part in parts:
             if full:
                 part = untie.compact(part)
+                if rows.gather is not None:
+                    # Laid out by rows once, then read by rows.
+                    part = _take_last(part, rows.gather)
+                    part = lax.optimization_barrier(part)
                 part = lax.reshape(part, tuple(part.shape[:-1]) + rows.shape)
                 # The full operand's rows (of B) or columns (of A) each entry meets.
                 axis = part.ndim - (2 if rows.side == "b" else 1)

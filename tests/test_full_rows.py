@@ -64,12 +64,26 @@ def _mixed_input(x):
     return jnp.sin(z @ jnp.asarray(_V, x.dtype).T)
 
 
+_T = _RNG.normal(size=(64, 64)) / 8.0
+
+
+def _token_mixing(x):
+    # A shared per-token layer (tied on the tokens), then tokens mixed by copies
+    # (tied on the features). Neither tie survives the product: the per-token
+    # blocks become a block diagonal, read by runs of 64 columns, and where the
+    # layer's value does not vary along the tokens it is first laid out by rows.
+    h = jnp.tanh(x @ jnp.asarray(_T, x.dtype).T)
+    z = jnp.roll(h, 1, axis=-2) + 2.0 * h[..., ::-1, :]
+    return jnp.sin(z)
+
+
 _PROGRAMS = {
-    "gates": (_gates, 16),
-    "gates_selected": (_gates_selected, 16),
-    "uneven": (_uneven, 16),
-    "diff_rows": (_diff_rows, 16),
-    "mixed_input": (_mixed_input, 400),
+    "gates": (_gates, (16,)),
+    "gates_selected": (_gates_selected, (16,)),
+    "uneven": (_uneven, (16,)),
+    "diff_rows": (_diff_rows, (16,)),
+    "mixed_input": (_mixed_input, (400,)),
+    "token_mixing": (_token_mixing, (16, 64)),
 }
 
 
@@ -99,8 +113,8 @@ def rows_products(monkeypatch):
 @pytest.mark.parametrize("batch", ((), (3,)), ids=("1d", "batched"))
 @pytest.mark.parametrize("name", sorted(_PROGRAMS))
 def test_rows_products_match_jacfwd(name, batch, order):
-    fun, n = _PROGRAMS[name]
-    x = _input(batch + (n,), jnp.float64)
+    fun, shape = _PROGRAMS[name]
+    x = _input(batch + shape, jnp.float64)
     refs = reference_jacobians(fun, (x,), refs=("fwd",))
     check_jacve(fun, (x,), order, references=refs)
     jitted = jax.jit(graphax_eqx.jacve(fun, order=order))(x)
@@ -118,12 +132,14 @@ def test_rows_products_match_jacfwd(name, batch, order):
         ("diff_rows", "rev", "b"),
         ("mixed_input", "fwd", "a"),
         ("mixed_input", "markowitz", "a"),
+        ("token_mixing", "fwd", "b"),
+        ("token_mixing", "rev", "b"),
     ],
 )
 @pytest.mark.parametrize("batch", ((), (3,)), ids=("1d", "batched"))
 def test_products_run_by_rows(rows_products, name, order, side, batch):
-    fun, n = _PROGRAMS[name]
-    x = _input(batch + (n,), jnp.float64)
+    fun, shape = _PROGRAMS[name]
+    x = _input(batch + shape, jnp.float64)
     jac = jax.jit(graphax_eqx.jacve(fun, order=order))(x)
     assert side in rows_products
     assert tree_allclose(jac, jax.jacfwd(fun)(x), rtol=1e-10, atol=1e-10)
@@ -164,3 +180,23 @@ def test_rows_products_under_vmap_and_nested():
     x1 = x[0]
     hess = graphax_eqx.jacve(graphax_eqx.jacve(_gates, order="rev"), order="rev")(x1)
     assert tree_allclose(hess, jax.jacfwd(jax.jacfwd(_gates))(x1), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("order", ("fwd", "rev"))
+def test_block_diagonal_read_by_runs(monkeypatch, order):
+    # The per-token blocks of `_token_mixing` are runs of 64 of 1,024 columns; in
+    # reverse order the shared layer's value (one 64 × 64 block for all tokens) is
+    # laid out by rows first.
+    plans = []
+    inner = _indexed._rows_product
+
+    def counted(a, b, plan, dtype):
+        plans.append(plan.rows)
+        return inner(a, b, plan, dtype)
+
+    monkeypatch.setattr(_indexed, "_rows_product", counted)
+    x = _input((16, 64), jnp.float64)
+    jac = jax.jit(graphax_eqx.jacve(_token_mixing, order=order))(x)
+    assert [p.shape for p in plans] == [(1024, 64)]
+    assert (plans[0].gather is not None) == (order == "rev")
+    assert tree_allclose(jac, jax.jacfwd(_token_mixing)(x), rtol=1e-10, atol=1e-10)
