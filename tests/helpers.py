@@ -352,6 +352,20 @@ def check_jacve(
     return result
 
 
+def check_eager_jit_sparse(fun: Callable, x: Any, order: str, tol: float) -> None:
+    """Assert that `jacve(fun, order)` at `x` equals `jax.jacfwd` eagerly, under
+    `jax.jit`, and as structured blocks under `jax.jit`."""
+    refs = reference_jacobians(fun, (x,), refs=("fwd",))
+    check_jacve(fun, (x,), order, references=refs)
+    jitted = jax.jit(graphax_eqx.jacve(fun, order=order))(x)
+    assert tree_allclose(jitted, refs["fwd"], rtol=tol, atol=tol)
+    sparse = jax.jit(graphax_eqx.jacve(fun, order=order, sparse_representation=True))
+    dense = jax.tree_util.tree_map(
+        lambda b: b.dense(), sparse(x), is_leaf=is_sparse_block
+    )
+    assert tree_allclose(dense, refs["fwd"], rtol=tol, atol=tol)
+
+
 # A custom_vjp whose backward pass is elementwise and differs from the body's
 # derivative (twice it), so a result taken from the body would be wrong.
 @jax.custom_vjp

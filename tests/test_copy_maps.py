@@ -18,7 +18,11 @@ from jax import lax
 
 import graphax_eqx
 
-from .helpers import check_jacve, is_sparse_block, reference_jacobians, tree_allclose
+from .helpers import (
+    check_eager_jit_sparse,
+    reference_jacobians,
+    tree_allclose,
+)
 
 
 _ORDERS = ("fwd", "rev", "markowitz", "min_fill", "auto")
@@ -105,20 +109,11 @@ def _input(shape, dtype):
     return jnp.asarray(np.random.default_rng(1).uniform(0.5, 1.5, shape), dtype)
 
 
-def _densify(tree):
-    return jtu.tree_map(lambda b: b.dense(), tree, is_leaf=is_sparse_block)
-
-
 @pytest.mark.parametrize("order", _ORDERS)
 @pytest.mark.parametrize("fun, shape", _CASES)
 def test_copies_of_dense_blocks(fun, shape, order):
     x = _input(shape, jnp.float64)
-    refs = reference_jacobians(fun, (x,), refs=("fwd",))
-    check_jacve(fun, (x,), order, references=refs)
-    jitted = jax.jit(graphax_eqx.jacve(fun, order=order))(x)
-    assert tree_allclose(jitted, refs["fwd"], rtol=1e-10, atol=1e-10)
-    sparse = jax.jit(graphax_eqx.jacve(fun, order=order, sparse_representation=True))
-    assert tree_allclose(_densify(sparse(x)), refs["fwd"], rtol=1e-10, atol=1e-10)
+    check_eager_jit_sparse(fun, x, order, 1e-10)
 
 
 @pytest.mark.parametrize("order", ("fwd", "rev", "auto"))

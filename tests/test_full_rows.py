@@ -11,7 +11,6 @@ that the product runs by rows and equals `jax.jacfwd`.
 
 import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
 import numpy as np
 import pytest
 from jax import lax
@@ -19,7 +18,10 @@ from jax import lax
 import graphax_eqx
 from graphax_eqx import _indexed
 
-from .helpers import check_jacve, is_sparse_block, reference_jacobians, tree_allclose
+from .helpers import (
+    check_eager_jit_sparse,
+    tree_allclose,
+)
 
 
 _ORDERS = ("fwd", "rev", "markowitz", "min_fill", "auto")
@@ -91,10 +93,6 @@ def _input(shape, dtype):
     return jnp.asarray(np.random.default_rng(1).uniform(-1.0, 1.5, shape), dtype)
 
 
-def _densify(tree):
-    return jtu.tree_map(lambda b: b.dense(), tree, is_leaf=is_sparse_block)
-
-
 @pytest.fixture
 def rows_products(monkeypatch):
     """How many products ran by rows while tracing."""
@@ -115,12 +113,7 @@ def rows_products(monkeypatch):
 def test_rows_products_match_jacfwd(name, batch, order):
     fun, shape = _PROGRAMS[name]
     x = _input(batch + shape, jnp.float64)
-    refs = reference_jacobians(fun, (x,), refs=("fwd",))
-    check_jacve(fun, (x,), order, references=refs)
-    jitted = jax.jit(graphax_eqx.jacve(fun, order=order))(x)
-    assert tree_allclose(jitted, refs["fwd"], rtol=1e-10, atol=1e-10)
-    sparse = jax.jit(graphax_eqx.jacve(fun, order=order, sparse_representation=True))
-    assert tree_allclose(_densify(sparse(x)), refs["fwd"], rtol=1e-10, atol=1e-10)
+    check_eager_jit_sparse(fun, x, order, 1e-10)
 
 
 @pytest.mark.parametrize(
