@@ -1534,8 +1534,6 @@ def coo_product(a, b, plan: CooProductPlan, dtype):
 
 def _rows_product(a, b, plan: CooProductPlan, dtype):
     """`A · B` by the rows of its full operand (see `RowsPlan`)."""
-    from ._band import BandTensor, to_coo as band_to_coo
-
     p, rows = plan.coo, plan.rows
     assert rows is not None
     res_vary = tuple(p.tie_sizes[t] for t, v in enumerate(p.varying) if v)
@@ -1551,8 +1549,7 @@ def _rows_product(a, b, plan: CooProductPlan, dtype):
         (a, plan.untie_a, None, plan.a_dims, rows.side == "a"),
         (b, plan.untie_b, plan.b_perm, plan.b_dims, rows.side == "b"),
     ):
-        if isinstance(x, BandTensor) and (full or not untie.identity):
-            x = band_to_coo(x)
+        x = _unband(x)
         assert x.val is not None
         parts = [x.val] if x.mask is None else [x.val, x.mask]
         aligned = []
@@ -1569,11 +1566,7 @@ def _rows_product(a, b, plan: CooProductPlan, dtype):
                 part = _take_axis(part, rows.index, axis)
                 at_dims = (lead, lead + 1)
             else:
-                if isinstance(x, BandTensor):
-                    flat = lax.reshape(part, (math.prod(part.shape),))
-                    part = _take_last(flat, x.pattern.positions[rows.order])
-                else:
-                    part = _take_last(untie.compact(part), untie.index(rows.order))
+                part = _take_last(untie.compact(part), untie.index(rows.order))
                 # Computed once: fused into the product, XLA would recompute the
                 # gathers that make it for each entry of the full operand's rows.
                 part = lax.optimization_barrier(part)
