@@ -537,6 +537,11 @@ class LinearMap:
     `fn` maps an array of `in_shape` to one of `out_shape`; `tfn` is its transpose.
     Used for index-moving primitives (reshape, slice, gather, pad, ...) and
     convolutions, whose Jacobians are large but cheap to apply.
+
+    `probe` (and its transpose `tprobe`), where given, is a cheaper function with
+    `fn`'s structure: NaN in its result wherever some NaN of its argument reaches
+    through an entry the map stores, whatever that entry's value (see
+    `_apply_masked`). Elsewhere `fn` itself serves.
     """
 
     fn: Callable[[Array], Array]
@@ -547,6 +552,8 @@ class LinearMap:
     # computes its sibling maps' outputs in the same pass.
     shared_fn: tuple[SharedApply, int] | None = None
     shared_tfn: tuple[SharedApply, int] | None = None
+    probe: Callable[[Array], Array] | None = None
+    tprobe: Callable[[Array], Array] | None = None
 
     @property
     def shape(self):
@@ -617,21 +624,29 @@ def linear_map(
     dtype,
     tfn: Callable[[Array], Array] | None = None,
     muls: int = 0,
+    probe: Callable[[Array], Array] | None = None,
 ) -> LinearMap:
-    """Wrap a linear function as a partial; JAX derives its transpose if not given."""
+    """Wrap a linear function as a partial; JAX derives its transpose if not given.
+    `probe`: see [`graphax_eqx._sparse.LinearMap`][] (its transpose is derived)."""
     in_shape = tuple(int(s) for s in in_shape)
     out_shape = tuple(int(s) for s in out_shape)
-    if tfn is None:
-        # Derived where it is used (in that trace): transposing traces `fn`, and
+
+    def derived(f: Callable[[Array], Array]) -> Callable[[Array], Array]:
+        # Derived where it is used (in that trace): transposing traces `f`, and
         # whatever in it does not depend on its input (a loop map's zero tangents)
         # would be emitted into the program even when the transpose is never used.
-        def derived_tfn(ct: Array) -> Array:
+        def transposed(ct: Array) -> Array:
             like = jax.ShapeDtypeStruct(in_shape, dtype)
-            (out,) = jax.linear_transpose(fn, like)(ct)
+            (out,) = jax.linear_transpose(f, like)(ct)
             return out
 
-        tfn = derived_tfn
-    return LinearMap(fn, tfn, LinearPattern(out_shape, in_shape, int(muls)), dtype)
+        return transposed
+
+    if tfn is None:
+        tfn = derived(fn)
+    pattern = LinearPattern(out_shape, in_shape, int(muls))
+    tprobe = None if probe is None else derived(probe)
+    return LinearMap(fn, tfn, pattern, dtype, probe=probe, tprobe=tprobe)
 
 
 Partial = Any  # SparseTensor | LinearMap | _indexed.CooTensor
@@ -910,6 +925,28 @@ def _sparse_product_plan(pa: Pattern, pb: Pattern, a_val: bool, b_val: bool):
     )
 
 
+def _composed_probes(a, b) -> tuple[Any, Any]:
+    """`(probe, tprobe)` of the map `A · B` (see `LinearMap`), where either factor
+    that is a map has a probe: each map factor applies its probe or else its own
+    function, a diagonal its values (NaN times any number is NaN)."""
+    maps = [x for x in (a, b) if isinstance(x, LinearMap)]
+    if not any(x.probe is not None for x in maps):
+        return None, None
+
+    def forward(x):
+        if isinstance(x, LinearMap):
+            return x.probe or x.fn
+        return functools.partial(matvec, x)
+
+    def backward(x):
+        if isinstance(x, LinearMap):
+            return x.tprobe or x.tfn
+        return functools.partial(rmatvec, x)
+
+    fa, fb, ta, tb = forward(a), forward(b), backward(a), backward(b)
+    return (lambda x: fa(fb(x))), (lambda y: tb(ta(y)))
+
+
 def _apply_masked(
     apply,
     val: Array,
@@ -943,16 +980,25 @@ def _apply_masked(
 
 
 def _apply_map(
-    how, fn, shared, st: SparseTensor, refined: Pattern, n: int, final: bool = False
+    how,
+    fn,
+    shared,
+    st: SparseTensor,
+    refined: Pattern,
+    n: int,
+    final: bool = False,
+    probe=None,
 ):
     """`how(fn, ·, n=n)` (`_apply_leading` or `_apply_trailing`) applied to the
-    refined values of `st`, and the result's mask (see `_apply_masked`); through the
-    sibling group `shared` (`(group, slot)`) when the map has one."""
+    refined values of `st`, and the result's mask (see `_apply_masked`, which
+    applies `probe` where given); through the sibling group `shared` (`(group,
+    slot)`) when the map has one."""
     val = refine(st, refined).val
     assert val is not None
     if shared is None:
         apply = functools.partial(how, fn, n=n)
-        return _apply_masked(apply, val, st, refined, final=final)
+        apply_probe = None if probe is None else functools.partial(how, probe, n=n)
+        return _apply_masked(apply, val, st, refined, apply_probe, final)
     group, slot = shared
 
     def shared_apply(role: str):
@@ -1072,6 +1118,7 @@ def _product(
             dtype,
             _then(a.shared_fn, "after", b, lambda f: lambda x: f(fb(x))),
             _then(b.shared_tfn, "before", a, lambda f: lambda y: f(ta(y))),
+            *_composed_probes(a, b),
         )
         return out, plan.muls
     if plan.kind == "linear-diag":
@@ -1084,6 +1131,8 @@ def _product(
             lazy,
             dtype,
             _then(a.shared_fn, "after", b, lambda f: lambda x: f(matvec(b, x))),
+            None,
+            *_composed_probes(a, b),
         )
         return out, plan.muls
     if plan.kind == "diag-linear":
@@ -1097,6 +1146,7 @@ def _product(
             dtype,
             None,
             _then(b.shared_tfn, "before", a, lambda f: lambda y: f(rmatvec(a, y))),
+            *_composed_probes(a, b),
         )
         return out, plan.muls
     if plan.kind == "linear-apply":
@@ -1104,7 +1154,7 @@ def _product(
         assert plan.refined is not None
         n = len(b.out_shape)
         val, mask = _apply_map(
-            _apply_leading, a.fn, a.shared_fn, b, plan.refined, n, final
+            _apply_leading, a.fn, a.shared_fn, b, plan.refined, n, final, a.probe
         )
         return SparseTensor(_cast(val, dtype), plan.pattern, dtype, mask), plan.muls
     if plan.kind == "apply-linear":
@@ -1112,7 +1162,7 @@ def _product(
         assert plan.refined is not None
         n = len(a.in_shape)
         val, mask = _apply_map(
-            _apply_trailing, b.tfn, b.shared_tfn, a, plan.refined, n, final
+            _apply_trailing, b.tfn, b.shared_tfn, a, plan.refined, n, final, b.tprobe
         )
         return SparseTensor(_cast(val, dtype), plan.pattern, dtype, mask), plan.muls
     assert isinstance(a, SparseTensor) and isinstance(b, SparseTensor)

@@ -464,6 +464,56 @@ def test_products_through_index_maps_apply_a_map_once():
             )
 
 
+def _two_convolutions(w2, groups=1):
+    k1, _ = jax.random.split(jax.random.PRNGKey(3))
+    w1 = jax.random.normal(k1, (8, 3, 3, 3))
+
+    def f(x):
+        y = jax.nn.relu(jax.lax.conv(x, w1, (1, 1), "SAME"))
+        z = jax.lax.conv_general_dilated(
+            y, w2, (1, 1), "SAME", feature_group_count=groups
+        )
+        return jnp.sum(jnp.tanh(jax.nn.relu(z)), axis=(1, 2, 3))
+
+    return f
+
+
+@pytest.mark.parametrize("order", _ORDERS)
+@pytest.mark.parametrize("groups", [1, 2])
+def test_selected_away_entries_through_a_convolution(order, groups):
+    """A ReLU's selected-away entries meet a convolution's transpose whose result is
+    multiplied again (by the first ReLU and convolution): the entries of the result
+    made only of selected-away terms are found from window sums of a probe's summed
+    features, not by a second full convolution. At infinite kernel entries that is
+    forward mode's answer (the selection discards whatever the kernel gives); the
+    criterion of this file holds. Grouped convolutions probe with the convolution
+    itself."""
+    k2, k3 = jax.random.split(jax.random.PRNGKey(4))
+    w2 = jax.random.normal(k2, (6, 8 // groups, 3, 3))
+    x = jax.random.normal(k3, (2, 3, 6, 6))
+    f = _two_convolutions(w2, groups)
+    jac = gx.jacve(f, order=order)
+    np.testing.assert_allclose(jac(x), jax.jacfwd(f)(x), rtol=1e-4, atol=1e-5)
+    if order == "rev":
+        # Two forward convolutions and two transposes, as `jax.grad` has; grouped,
+        # the transpose runs on the probe too.
+        assert _convolutions(jax.make_jaxpr(jac)(x).jaxpr) == (4 if groups == 1 else 5)
+    w_inf = w2.at[0, 1, 1, 1].set(jnp.inf).at[3, 0, 0, 2].set(-jnp.inf)
+    g = _two_convolutions(w_inf, groups)
+    special = x.at[0, 0, 0, :3].set(jnp.array([jnp.nan, jnp.inf, -jnp.inf]))
+    with np.errstate(all="ignore"):
+        for fun, point, where in (
+            (g, x, "infinite kernel entries"),
+            (f, special, "NaN and infinite inputs"),
+        ):
+            want = jax.jacfwd(fun)(point), jax.jacrev(fun)(point)
+            for call in (
+                gx.jacve(fun, order=order),
+                jax.jit(gx.jacve(fun, order=order)),
+            ):
+                _check(call(point), *want, f"{order} at {where}")
+
+
 def _selected_consts(jaxpr) -> int:
     """Selects that take a matrix constant of `jaxpr` as an operand."""
     consts = {v for v in jaxpr.constvars if v.aval.ndim == 2}

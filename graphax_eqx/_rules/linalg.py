@@ -251,6 +251,53 @@ def _conv_value(lhs, rhs, params):
     return conv(lhs, rhs)
 
 
+def _conv_probe(params, rhs_shape, out_shape):
+    """A probe (see [`graphax_eqx._sparse.LinearMap`][]) of the input partial of a
+    convolution, `t ↦ conv(t, kernel)`: every output feature reads every input
+    feature of its window, so NaN reaches an output wherever some input feature of
+    its window holds one. The input features are summed first, then each window of
+    that one feature (a `reduce_window` with the convolution's strides, padding and
+    dilations): a small fraction of the convolution's work. `None` for grouped
+    convolutions."""
+    if params["feature_group_count"] != 1 or params["batch_group_count"] != 1:
+        return None
+    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+    nd = len(lhs_spec) - 2
+    ndim = nd + 2
+    window, strides, base, dilation = [1] * ndim, [1] * ndim, [1] * ndim, [1] * ndim
+    padding = [(0, 0)] * ndim
+    lhs_dilation = params["lhs_dilation"] or (1,) * nd
+    rhs_dilation = params["rhs_dilation"] or (1,) * nd
+    for d in range(nd):
+        axis = lhs_spec[2 + d]
+        window[axis] = rhs_shape[rhs_spec[2 + d]]
+        strides[axis] = params["window_strides"][d]
+        base[axis] = lhs_dilation[d]
+        dilation[axis] = rhs_dilation[d]
+        padding[axis] = tuple(params["padding"][d])
+    # The window sums are laid out like the input; the result like the output.
+    perm = [0] * ndim
+    for k in range(ndim):
+        perm[out_spec[k]] = lhs_spec[k]
+
+    def probe(t):
+        summed = jnp.sum(t, axis=lhs_spec[1], keepdims=True, dtype=t.dtype)
+        reached = lax.reduce_window(
+            summed,
+            np.array(0, t.dtype),
+            lax.add,
+            tuple(window),
+            tuple(strides),
+            tuple(padding),
+            tuple(base),
+            tuple(dilation),
+        )
+        reached = lax.transpose(reached, tuple(perm))
+        return lax.broadcast_in_dim(reached, tuple(out_shape), tuple(range(ndim)))
+
+    return probe
+
+
 @register(lax.conv_general_dilated_p)
 def _conv(primals, active, **params):
     lhs, rhs = primals
@@ -289,6 +336,7 @@ def _conv(primals, active, **params):
             out_shape,
             out.dtype,
             muls=muls,
+            probe=_conv_probe(params, rhs.shape, out_shape) if i == 0 else None,
         )
         if active[i]
         else None

@@ -184,8 +184,9 @@ _OWN_MAPS = frozenset(
 )
 
 
-def _linear_in(prim, params, args, i, out_shape, dtype, tfn=None, muls=0):
-    """The linear map `t ↦ prim(args with args[i] = t)`; other args keep it linear."""
+def _linear_in(prim, params, args, i, out_shape, dtype, tfn=None, muls=0, probe=None):
+    """The linear map `t ↦ prim(args with args[i] = t)`; other args keep it linear.
+    `probe`: see [`graphax_eqx._sparse.LinearMap`][]."""
     args = list(args)
     in_shape = shape_of(args[i])
 
@@ -194,7 +195,7 @@ def _linear_in(prim, params, args, i, out_shape, dtype, tfn=None, muls=0):
         call[i] = t
         return prim.bind(*call, **params)
 
-    return linear_map(fn, in_shape, out_shape, dtype, tfn=tfn, muls=muls)
+    return linear_map(fn, in_shape, out_shape, dtype, tfn=tfn, muls=muls, probe=probe)
 
 
 @register(lax.broadcast_in_dim_p)
