@@ -514,6 +514,69 @@ def test_selected_away_entries_through_a_convolution(order, groups):
                 _check(call(point), *want, f"{order} at {where}")
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_convolution_probes_reach_what_the_convolution_reaches(seed):
+    """A convolution's probe (window sums of the summed input features) is NaN
+    exactly where the convolution with a finite kernel is, forward and transposed,
+    for random strides, padding, dilations and layouts."""
+    from graphax_eqx._rules.linalg import _conv_probe
+    from graphax_eqx._sparse import linear_map
+
+    rng = np.random.default_rng(seed)
+    nd = int(rng.integers(1, 3))
+    window = tuple(int(k) for k in rng.integers(1, 4, nd))
+    spatial = tuple(int(s) for s in rng.integers(4, 8, nd))
+    n, c, o = int(rng.integers(1, 3)), int(rng.integers(1, 4)), int(rng.integers(1, 4))
+    names = "HWD"[:nd]
+    specs = [("NC" + names, "OI" + names, "NC" + names)]
+    if nd == 2:
+        specs.append(("NHWC", "HWIO", "NHWC"))
+    lhs_names, rhs_names, out_names = specs[int(rng.integers(len(specs)))]
+
+    def arranged(names_of, sizes):
+        return tuple(sizes[k] for k in names_of)
+
+    lhs_sizes = dict(N=n, C=c, **dict(zip(names, spatial, strict=True)))
+    rhs_sizes = dict(O=o, I=c, **dict(zip(names, window, strict=True)))
+    lhs_shape = arranged(lhs_names, lhs_sizes)
+    rhs_shape = arranged(rhs_names, rhs_sizes)
+    kernel = jnp.asarray(rng.standard_normal(rhs_shape), jnp.float32)
+    kernel = kernel.at[(0,) * len(rhs_shape)].set(0.0)
+
+    def conv(t):
+        return jax.lax.conv_general_dilated(
+            t,
+            kernel,
+            tuple(int(s) for s in strides),
+            padding,
+            tuple(int(s) for s in dilations[0]),
+            tuple(int(s) for s in dilations[1]),
+            (lhs_names, rhs_names, out_names),
+        )
+
+    strides = rng.integers(1, 3, nd)
+    padding = tuple(tuple(int(p) for p in rng.integers(0, 3, 2)) for _ in range(nd))
+    dilations = rng.integers(1, 3, (2, nd))
+    like = jax.ShapeDtypeStruct(lhs_shape, jnp.float32)
+    (eqn,) = jax.make_jaxpr(conv)(like).jaxpr.eqns
+    params = eqn.params
+    out_shape = jax.eval_shape(conv, jax.ShapeDtypeStruct(lhs_shape, jnp.float32))
+    out_shape = tuple(out_shape.shape)
+    probe = _conv_probe(params, rhs_shape, out_shape)
+    m = linear_map(conv, lhs_shape, out_shape, jnp.float32, probe=probe)
+    for density in (0.05, 0.3):
+        t = np.where(rng.random(lhs_shape) < density, np.nan, 0.0)
+        t = jnp.asarray(t, jnp.float32)
+        np.testing.assert_array_equal(
+            np.isnan(m.probe(t)), np.isnan(m.fn(t)), err_msg="forward"
+        )
+        ct = np.where(rng.random(out_shape) < density, np.nan, 0.0)
+        ct = jnp.asarray(ct, jnp.float32)
+        np.testing.assert_array_equal(
+            np.isnan(m.tprobe(ct)), np.isnan(m.tfn(ct)), err_msg="transposed"
+        )
+
+
 def _selected_consts(jaxpr) -> int:
     """Selects that take a matrix constant of `jaxpr` as an operand."""
     consts = {v for v in jaxpr.constvars if v.aval.ndim == 2}
