@@ -463,7 +463,7 @@ def entry_pattern(
     for o in range(len(out_shape)):
         for i in list(in_axes):
             n = out_shape[o]
-            if in_shape[i] != n:
+            if in_shape[i] != n or not n:
                 continue
             ko, ki = out_axes.index(o), in_axes.index(i)
             if not np.array_equal(out_c[ko], in_c[ki]):

@@ -316,6 +316,43 @@ def test_reductions_and_scans_along_an_empty_axis(name, order):
             np.testing.assert_allclose(g, want)
 
 
+_EMPTY_CONV = {
+    # The output is empty.
+    "empty_output": (
+        lambda x: jnp.tanh(lax.conv(x, jnp.ones((1, 1, 1, 1)), (1, 1), "VALID")),
+        (1, 1, 0, 3),
+    ),
+    # An empty intermediate inside a program whose output is not.
+    "empty_intermediate": (
+        lambda x: (
+            jnp.sum(jnp.tanh(lax.conv(x, jnp.ones((2, 1, 3, 1)), (1, 1), "VALID")))
+            + jnp.sum(x**2)
+        ),
+        (1, 1, 2, 3),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_EMPTY_CONV))
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])
+def test_convolutions_with_an_empty_operand(name, order):
+    """A convolution whose input or output has no entries gives JAX's (empty or
+    zero) Jacobian; its coordinates raised `ZeroDivisionError` looking for ties
+    along an axis of length zero."""
+    f, shape = _EMPTY_CONV[name]
+    x = jnp.ones(shape)
+    expected = jax.jacfwd(f)(x)
+    for sparse in (False, True):
+        for transform in (lambda g: g, jax.jit):
+            jac = transform(
+                graphax_eqx.jacve(f, order=order, sparse_representation=sparse)
+            )
+            got = jac(x)
+            got = got.dense() if sparse else got
+            assert got.shape == expected.shape
+            np.testing.assert_allclose(got, expected)
+
+
 # --------------------------------------------------------------------------------------
 # A maximum over values XLA computes in more than one kernel.
 # --------------------------------------------------------------------------------------
