@@ -484,10 +484,9 @@ def test_selected_away_entries_through_a_convolution(order, groups):
     """A ReLU's selected-away entries meet a convolution's transpose whose result is
     multiplied again (by the first ReLU and convolution): the entries of the result
     made only of selected-away terms are found from window sums of a probe's summed
-    features, not by a second full convolution. At infinite kernel entries that is
-    forward mode's answer (the selection discards whatever the kernel gives); the
-    criterion of this file holds. Grouped convolutions probe with the convolution
-    itself."""
+    features (per group), not by a second full convolution. At infinite kernel
+    entries that is forward mode's answer (the selection discards whatever the
+    kernel gives); the criterion of this file holds."""
     k2, k3 = jax.random.split(jax.random.PRNGKey(4))
     w2 = jax.random.normal(k2, (6, 8 // groups, 3, 3))
     x = jax.random.normal(k3, (2, 3, 6, 6))
@@ -495,9 +494,8 @@ def test_selected_away_entries_through_a_convolution(order, groups):
     jac = gx.jacve(f, order=order)
     np.testing.assert_allclose(jac(x), jax.jacfwd(f)(x), rtol=1e-4, atol=1e-5)
     if order == "rev":
-        # Two forward convolutions and two transposes, as `jax.grad` has; grouped,
-        # the transpose runs on the probe too.
-        assert _convolutions(jax.make_jaxpr(jac)(x).jaxpr) == (4 if groups == 1 else 5)
+        # Two forward convolutions and two transposes, as `jax.grad` has.
+        assert _convolutions(jax.make_jaxpr(jac)(x).jaxpr) == 4
     w_inf = w2.at[0, 1, 1, 1].set(jnp.inf).at[3, 0, 0, 2].set(-jnp.inf)
     g = _two_convolutions(w_inf, groups)
     special = x.at[0, 0, 0, :3].set(jnp.array([jnp.nan, jnp.inf, -jnp.inf]))
@@ -516,9 +514,9 @@ def test_selected_away_entries_through_a_convolution(order, groups):
 
 @pytest.mark.parametrize("seed", range(12))
 def test_convolution_probes_reach_what_the_convolution_reaches(seed):
-    """A convolution's probe (window sums of the summed input features) is NaN
-    exactly where the convolution with a finite kernel is, forward and transposed,
-    for random strides, padding, dilations and layouts."""
+    """A convolution's probe (window sums of the summed input features of each
+    group) is NaN exactly where the convolution with a finite kernel is, forward
+    and transposed, for random strides, padding, dilations, groups and layouts."""
     from graphax_eqx._rules.linalg import _conv_probe
     from graphax_eqx._sparse import linear_map
 
@@ -526,7 +524,9 @@ def test_convolution_probes_reach_what_the_convolution_reaches(seed):
     nd = int(rng.integers(1, 3))
     window = tuple(int(k) for k in rng.integers(1, 4, nd))
     spatial = tuple(int(s) for s in rng.integers(4, 8, nd))
-    n, c, o = int(rng.integers(1, 3)), int(rng.integers(1, 4)), int(rng.integers(1, 4))
+    groups = int(rng.integers(1, 3))
+    n = int(rng.integers(1, 3))
+    c, o = groups * int(rng.integers(1, 4)), groups * int(rng.integers(1, 4))
     names = "HWD"[:nd]
     specs = [("NC" + names, "OI" + names, "NC" + names)]
     if nd == 2:
@@ -537,7 +537,7 @@ def test_convolution_probes_reach_what_the_convolution_reaches(seed):
         return tuple(sizes[k] for k in names_of)
 
     lhs_sizes = dict(N=n, C=c, **dict(zip(names, spatial, strict=True)))
-    rhs_sizes = dict(O=o, I=c, **dict(zip(names, window, strict=True)))
+    rhs_sizes = dict(O=o, I=c // groups, **dict(zip(names, window, strict=True)))
     lhs_shape = arranged(lhs_names, lhs_sizes)
     rhs_shape = arranged(rhs_names, rhs_sizes)
     kernel = jnp.asarray(rng.standard_normal(rhs_shape), jnp.float32)
@@ -552,6 +552,7 @@ def test_convolution_probes_reach_what_the_convolution_reaches(seed):
             tuple(int(s) for s in dilations[0]),
             tuple(int(s) for s in dilations[1]),
             (lhs_names, rhs_names, out_names),
+            feature_group_count=groups,
         )
 
     strides = rng.integers(1, 3, nd)

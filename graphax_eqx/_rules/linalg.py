@@ -254,46 +254,48 @@ def _conv_value(lhs, rhs, params):
 def _conv_probe(params, rhs_shape, out_shape):
     """A probe (see [`graphax_eqx._sparse.LinearMap`][]) of the input partial of a
     convolution, `t ↦ conv(t, kernel)`: every output feature reads every input
-    feature of its window, so NaN reaches an output wherever some input feature of
-    its window holds one. The input features are summed first, then each window of
-    that one feature (a `reduce_window` with the convolution's strides, padding and
-    dilations): a small fraction of the convolution's work. `None` for grouped
-    convolutions."""
-    if params["feature_group_count"] != 1 or params["batch_group_count"] != 1:
+    feature of its group over its window, so NaN reaches an output wherever some
+    input feature of its group holds one in that window. Each group's input features
+    are summed first, then each window of those sums (a `reduce_window` with the
+    convolution's strides, padding and dilations), broadcast to the group's output
+    features: a small fraction of the convolution's work. `None` where
+    `batch_group_count` is not 1."""
+    if params["batch_group_count"] != 1:
         return None
     lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+    groups = params["feature_group_count"]
     nd = len(lhs_spec) - 2
-    ndim = nd + 2
-    window, strides, base, dilation = [1] * ndim, [1] * ndim, [1] * ndim, [1] * ndim
-    padding = [(0, 0)] * ndim
     lhs_dilation = params["lhs_dilation"] or (1,) * nd
     rhs_dilation = params["rhs_dilation"] or (1,) * nd
-    for d in range(nd):
-        axis = lhs_spec[2 + d]
-        window[axis] = rhs_shape[rhs_spec[2 + d]]
-        strides[axis] = params["window_strides"][d]
-        base[axis] = lhs_dilation[d]
-        dilation[axis] = rhs_dilation[d]
-        padding[axis] = tuple(params["padding"][d])
-    # The window sums are laid out like the input; the result like the output.
-    perm = [0] * ndim
-    for k in range(ndim):
-        perm[out_spec[k]] = lhs_spec[k]
+    window = (1, 1) + tuple(rhs_shape[rhs_spec[2 + d]] for d in range(nd))
+    strides = (1, 1) + tuple(params["window_strides"])
+    padding = ((0, 0), (0, 0)) + tuple(tuple(p) for p in params["padding"])
+    base = (1, 1) + tuple(lhs_dilation)
+    dilation = (1, 1) + tuple(rhs_dilation)
+    # Canonical layout (batch, features, *spatial), back to the output's at the end.
+    n_out = out_shape[out_spec[1]]
+    canonical = tuple(out_shape[out_spec[k]] for k in range(nd + 2))
+    back = tuple(int(k) for k in np.argsort(out_spec))
 
     def probe(t):
-        summed = jnp.sum(t, axis=lhs_spec[1], keepdims=True, dtype=t.dtype)
+        x = lax.transpose(t, tuple(lhs_spec))
+        n, c = x.shape[:2]
+        x = lax.reshape(x, (n, groups, c // groups) + tuple(x.shape[2:]))
+        summed = jnp.sum(x, axis=2, dtype=t.dtype)
         reached = lax.reduce_window(
             summed,
             np.array(0, t.dtype),
             lax.add,
-            tuple(window),
-            tuple(strides),
-            tuple(padding),
-            tuple(base),
-            tuple(dilation),
+            window,
+            strides,
+            padding,
+            base,
+            dilation,
         )
-        reached = lax.transpose(reached, tuple(perm))
-        return lax.broadcast_in_dim(reached, tuple(out_shape), tuple(range(ndim)))
+        per_group = (n, groups, n_out // groups) + canonical[2:]
+        dims = (0, 1) + tuple(range(3, nd + 3))
+        reached = lax.broadcast_in_dim(reached, per_group, dims)
+        return lax.transpose(lax.reshape(reached, canonical), back)
 
     return probe
 
