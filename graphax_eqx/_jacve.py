@@ -358,7 +358,12 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
     # nested in it are staged, as eagerly. Under `jit` such values are staged, as
     # JAX stages them, and Python reading one raises JAX's own error.
     eager = not jp.staging()
-    closed = jax.make_jaxpr(flat_fun)(*leaves)
+    try:
+        closed = jax.make_jaxpr(flat_fun)(*leaves)
+    except _VALUE_DEPENDENT as e:
+        if not eager:
+            raise
+        raise _ValueDependent() from e
     program = inline(closed)
     return _Traced(
         program,
@@ -369,6 +374,19 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
         tuple(closed.out_avals),
         store["static_aux"],
     )
+
+
+# What tracing raises where Python needs the value of a differentiated argument.
+_VALUE_DEPENDENT = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.NonConcreteBooleanIndexError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
+class _ValueDependent(Exception):
+    """Raised by `_trace` outside `jit` where `fun`'s Python reads the value of a
+    differentiated argument (`if x.sum() > 0`); its cause is JAX's error."""
 
 
 def _describe_value(x) -> str:
@@ -1233,7 +1251,9 @@ def _equinox_errors():
     logger.addFilter(_quiet_equinox_callback)
     try:
         yield
-    except jax.errors.JaxRuntimeError as e:
+    except (jax.errors.JaxRuntimeError, ValueError) as e:
+        # Run one operation at a time, the callback's error reaches here as JAX's
+        # `ValueError`; compiled, as a `JaxRuntimeError`.
         text = str(e)
         if _EQX_ERROR not in text:
             raise
@@ -1309,7 +1329,12 @@ class _JacVE:
         functools.update_wrapper(self, fun, updated=())
 
     def __call__(self, *args, **kwargs):
-        prep = _prepare(self.fun, args, kwargs, self.argnums, self.has_aux, self.name)
+        try:
+            prep = _prepare(
+                self.fun, args, kwargs, self.argnums, self.has_aux, self.name
+            )
+        except _ValueDependent as e:
+            return self._linearised(args, kwargs, e.__cause__)
         program = prep.traced.program
         axes = jp.explicit_axes(
             list(prep.leaves) + list(program.consts), [e.params for e in program.eqns]
@@ -1327,6 +1352,68 @@ class _JacVE:
                     prep, axes, self.order_spec, self.as_tuple, self.sparse
                 )
             _block_if_calling_back(prep, (jac, out, aux))
+        if self.with_value:
+            result = ((out, aux) if self.has_aux else out), jac
+        else:
+            result = (jac, aux) if self.has_aux else jac
+        if self.count_ops:
+            return result, counts
+        return result
+
+    def _linearised(self, args, kwargs, cause) -> Any:
+        """The call where `fun`'s Python reads the value of a differentiated argument
+        (`if x.sum() > 0`, `x[: int(n)]`), outside `jit`.
+
+        Eager `jax.jacrev` runs such Python on the values, and so does this:
+        `jax.linearize` runs `fun` at `args` and stages its linearisation there, a
+        linear function whose Jacobian is `fun`'s at `args`. The graph eliminated is
+        the linearisation's (its partials are the values the linearisation computed),
+        so an explicit order, whose vertex ids name `fun`'s graph, does not apply.
+        """
+        if not isinstance(self.order_spec, str):
+            raise ValueError(
+                f"`{self.name}` got an explicit order, but the function's Python "
+                "depends on the values of the differentiated arguments (see the "
+                "error above), so it has no graph of its own to number: outside "
+                "`jit` its linearisation at these values is eliminated instead. Use "
+                "a named order such as 'auto', 'rev' or 'markowitz', or write the "
+                "branches with `jax.lax.cond` / `jnp.where`."
+            ) from cause
+        argnums = self.argnums
+
+        def at(diff):
+            full = list(args)
+            for k, d in zip(argnums, diff, strict=True):
+                full[k] = d
+            return full
+
+        def partial_fun(*diff):
+            return self.fun(*at(diff), **kwargs)
+
+        diff = [args[k] for k in argnums]
+        if self.has_aux:
+            out, linear, aux = jax.linearize(partial_fun, *diff, has_aux=True)
+        else:
+            (out, linear), aux = jax.linearize(partial_fun, *diff), None
+
+        def tangent_fun(*a, **kw):
+            del kw
+            return linear(*[a[k] for k in argnums])
+
+        named_after(tangent_fun, self.fun)
+        inner = _JacVE(
+            tangent_fun,
+            self.order_spec,
+            tuple(argnums) if self.as_tuple else argnums[0],
+            False,
+            self.count_ops,
+            self.sparse,
+            False,
+            self.name,
+        )
+        jac, counts = (
+            inner(*args, **kwargs) if self.count_ops else (inner(*args, **kwargs), None)
+        )
         if self.with_value:
             result = ((out, aux) if self.has_aux else out), jac
         else:
@@ -1364,8 +1451,11 @@ def jacve(
     **Arguments:**
 
     - `fun`: a function of arrays / pytrees of arrays returning a pytree of
-        floating-point arrays. It is traced like under `jax.jit`, so Python control
-        flow must not depend on array values (use `jax.lax.cond` and friends).
+        floating-point arrays. Under `jax.jit` its Python control flow must not
+        depend on the values of the differentiated arguments (use `jax.lax.cond`
+        and friends). Called eagerly it may, as with `jax.jacrev`: `fun` is then
+        linearised at `args` (`jax.linearize`) and that linear function's graph is
+        eliminated (named orders only).
     - `order`: `"fwd"` (or `"forward"`), `"rev"` (or `"reverse"`), one of the
         greedy heuristics `"markowitz"` (eliminate the currently cheapest vertex),
         `"relative_markowitz"` or `"min_fill"` (see `docs/orders.md`), `"auto"`
@@ -1548,7 +1638,17 @@ def abstract_graph(
     Returns the structure, the graph (its partials hold abstract values: read only
     their static parts) and the additions made while building it.
     """
-    prep = _prepare(fun, args, kwargs, argnums, has_aux, name)
+    try:
+        prep = _prepare(fun, args, kwargs, argnums, has_aux, name)
+    except _ValueDependent as e:
+        raise TypeError(
+            f"`{name}` needs the graph of the function, but its Python depends on "
+            "the values of the differentiated arguments (see the error above), so "
+            "it has none independent of them. Write such branches with "
+            "`jax.lax.cond` / `jnp.where`, or give sizes as static arguments. "
+            "(`jacve` called outside `jit` accepts such functions: it eliminates "
+            "their linearisation at the given values.)"
+        ) from e.__cause__
     graph, adds = _abstract_evaluation(prep)
     return prep.traced.structure, graph, adds
 

@@ -214,3 +214,91 @@ def test_aux_objects_the_function_did_not_compute_come_back_as_they_are():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert isinstance(a, jax.Array) and a.dtype == b.dtype
         np.testing.assert_allclose(a, b)
+
+
+def _branchy(x):
+    if x.sum() > 0:
+        return jnp.sin(x) * x[0]
+    return jnp.cos(x)
+
+
+def _sized(x):
+    n = int(jnp.argmax(x)) + 1
+    return jnp.cumsum(x[:n] ** 2)
+
+
+def _selected(x):
+    idx = jnp.nonzero(x > 0.5)[0]
+    return jnp.exp(x[idx]) * x[0]
+
+
+@pytest.mark.parametrize("fun", [_branchy, _sized, _selected])
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "auto"])
+def test_eager_python_may_read_differentiated_values(fun, order):
+    # As eager `jax.jacrev`: `fun` is linearised at the values and the linear
+    # function's graph eliminated; both branches are reached across the inputs.
+    for x in (jnp.array([0.3, 0.9, 0.7, 0.2]), jnp.array([-0.3, 0.6, -0.7, 0.2])):
+        want = jax.jacrev(fun)(x)
+        assert tree_allclose(gx.jacve(fun, order=order)(x), want)
+        sparse = gx.jacve(fun, order=order, sparse_representation=True)(x)
+        np.testing.assert_allclose(sparse.dense(), want, rtol=1e-5, atol=1e-6)
+        (value, jac), counts = gx.value_and_jacve(fun, order=order, count_ops=True)(x)
+        assert tree_allclose(value, fun(x)) and tree_allclose(jac, want)
+        assert set(counts) >= {"num_muls", "num_adds", "order"}
+        aux_fun = lambda x: (fun(x), {"total": x.sum(), "tag": "run"})
+        jac, aux = gx.jacve(aux_fun, order=order, has_aux=True)(x)
+        assert tree_allclose(jac, want) and aux["tag"] == "run"
+        np.testing.assert_allclose(aux["total"], x.sum())
+
+
+def test_eager_python_on_values_with_pytrees_and_argnums():
+    def f(x, y):
+        if (x * y["b"]).sum() > 0:
+            return {"p": jnp.sin(x) * y["b"], "q": y["b"] ** 2}
+        return {"p": x, "q": y["b"]}
+
+    x, y = jnp.array([0.3, 0.9, -0.7]), {"b": jnp.array([1.0, 2.0, -1.0])}
+    for argnums in (0, 1, (0, 1), (1,)):
+        assert_tree_matches(
+            gx.jacve(f, argnums=argnums)(x, y), jax.jacrev(f, argnums=argnums)(x, y)
+        )
+
+
+def test_eager_python_on_values_of_an_equinox_model():
+    import equinox as eqx
+
+    class Gate(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            if self.w @ x > 0:
+                return jnp.tanh(self.w * x)
+            return self.w * x
+
+    for w in (jnp.array([0.5, -0.2, 0.1]), jnp.array([-0.5, -0.2, 0.1])):
+        model, x = Gate(w), jnp.array([0.4, 0.3, 0.8])
+        got = gx.filter_jacve(lambda m, x: m(x))(model, x)
+        want = eqx.filter_jacrev(lambda m, x: m(x))(model, x)
+        assert tree_allclose(got.w, want.w)
+        value, grads = gx.filter_value_and_jacve(lambda m, x: jnp.sum(m(x)))(model, x)
+        want_value, want_grads = eqx.filter_value_and_grad(lambda m, x: jnp.sum(m(x)))(
+            model, x
+        )
+        assert tree_allclose(value, want_value)
+        assert tree_allclose(grads.w, want_grads.w)
+
+
+def test_python_on_differentiated_values_where_no_graph_exists():
+    x = jnp.array([0.3, 0.9, 0.7])
+    # Under `jit`, JAX's own error, as `jax.jit(jax.jacrev(f))` raises.
+    with pytest.raises(jax.errors.TracerBoolConversionError):
+        jax.jit(gx.jacve(_branchy))(x)
+    with pytest.raises(jax.errors.TracerBoolConversionError):
+        jax.vmap(gx.jacve(_branchy))(x[:, None])
+    with pytest.raises(ValueError, match="explicit order.*depends on the values"):
+        gx.jacve(_branchy, order=[1, 2])(x)
+    for api in (gx.make_graph, gx.elimination_cost):
+        with pytest.raises(TypeError, match="depends on the values"):
+            api(_branchy)(x)
+    with pytest.raises(TypeError, match="depends on the values"):
+        gx.search_order(_branchy, budget_s=0.1, progress=False)(x)

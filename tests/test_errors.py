@@ -105,16 +105,23 @@ class _Branching(eqx.Module):
     "api", ["jacve", "filter_jacve", "filter_value_and_jacve", "eqx_jacve"]
 )
 def test_tracing_errors_name_the_function(api):
-    # JAX's error for Python control flow on a traced value names the user's
-    # function (not an internal wrapper), as `jax.jit` of that function would.
+    # Under `jit`, JAX's error for Python control flow on a traced value names the
+    # user's function (not an internal wrapper), as `jax.jit` of that function would.
+    # Eagerly such Python runs on the values, as in `jax.jacrev`.
     differentiate = getattr(graphax_eqx, api)
     with pytest.raises(jax.errors.TracerBoolConversionError) as info:
-        differentiate(_branches_on_its_input)(jnp.ones(3))
+        jax.jit(differentiate(_branches_on_its_input))(jnp.ones(3))
     assert "_branches_on_its_input" in str(info.value)
     assert "flat_fun" not in str(info.value)
     with pytest.raises(jax.errors.TracerBoolConversionError) as info:
-        differentiate(_Branching(jnp.ones(3)))(jnp.ones(3))
+        eqx.filter_jit(differentiate(_Branching(jnp.ones(3))))(jnp.ones(3))
     assert "flat_fun" not in str(info.value)
+    for x in (jnp.ones(3), -jnp.ones(3)):
+        got = differentiate(_branches_on_its_input)(x)
+        want = eqx.filter_jacrev(_branches_on_its_input)(x)
+        if api == "filter_value_and_jacve":
+            got, want = got[1], (_branches_on_its_input(x), want)[1]
+        np.testing.assert_allclose(got, want)
 
 
 @pytest.mark.parametrize("order", ["forwards", "sideways", "", "markowitz2"])
@@ -370,3 +377,19 @@ def test_equinox_runtime_errors_raise_as_in_equinox(caplog):
     # JAX's log of the failed callback, with its traceback, is left out, as
     # `eqx.filter_jit` leaves it out.
     assert not [r for r in caplog.records if "pure_callback" in r.getMessage()]
+
+
+def test_equinox_runtime_errors_after_calls_that_passed():
+    # Calls that pass first, then one that fails: the same `EquinoxRuntimeError`,
+    # whichever way the failing call runs.
+    def f(x):
+        x = eqx.error_if(x, x > 5.0, "too big")
+        return jnp.sin(x)
+
+    x = jnp.linspace(0.1, 1.0, 4)
+    jac = graphax_eqx.jacve(f)
+    for _ in range(3):
+        np.testing.assert_allclose(jac(x), jax.jacrev(f)(x), rtol=1e-6)
+    for fresh in (jac, graphax_eqx.jacve(f), graphax_eqx.filter_jacve(f)):
+        with pytest.raises(eqx.EquinoxRuntimeError, match="^too big$"):
+            fresh(10 * x)
