@@ -1896,3 +1896,24 @@ def test_update_of_a_gathered_copy_with_its_own_slice(order, sparse):
     for got in (jac(x), jac(x), jax.jit(jac)(x)):
         got = got.todense() if sparse else got
         assert_tree_matches(got, want)
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "auto"])
+def test_out_of_bounds_gathers_clamp_with_known_and_traced_indices(order):
+    # `a[i]` gathers with indices promised in bounds; out of bounds, the gather clamps
+    # them. Known indices (eager) and traced ones (`jit`) give the clamped
+    # derivative alike, as `jax.jacfwd` does (`jax.jacrev` drops those rows).
+    x = jnp.linspace(0.1, 1.0, 6)
+    i = jnp.array([7, 0, -9, 2])
+    f = lambda a, i: a[i] ** 2
+    want = jax.jacfwd(f)(x, i)
+    assert float(want[0, 5]) != 0.0
+    for got in (
+        graphax_eqx.jacve(f, order=order)(x, i),
+        jax.jit(graphax_eqx.jacve(f, order=order))(x, i),
+        graphax_eqx.jacve(lambda a: f(a, i), order=order)(x),
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    sparse_jac = graphax_eqx.jacve(f, order=order, sparse_representation=True)
+    sparse = jax.jit(sparse_jac)(x, i)
+    np.testing.assert_allclose(sparse.dense(), want, rtol=1e-6)

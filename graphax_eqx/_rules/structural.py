@@ -317,6 +317,12 @@ def _gather(primals, active, **params):
     if "fill_value" in linear_params:
         # Out-of-bounds entries are constants: zero derivative.
         linear_params["fill_value"] = 0
+    if linear_params.get("mode") == lax.GatherScatterMode.PROMISE_IN_BOUNDS:
+        # The gather clamps out-of-bounds starts (XLA's gather always does), as an
+        # index map of known indices does; said explicitly, so that a map of traced
+        # indices is transposed to a scatter that clamps them too, rather than one
+        # that drops them. (`jax.jacfwd` clamps; `jax.jacrev` drops.)
+        linear_params["mode"] = lax.GatherScatterMode.CLIP
     partial = _index_map_in(
         lax.gather_p, linear_params, primals, 0, shape_of(out), out.dtype
     )
