@@ -458,7 +458,7 @@ def _eliminate(prep: _Prepared, order_spec, known: frozenset[int] = frozenset())
     structure = traced.structure
     flat_out, graph, adds0 = evaluate(traced.program, structure, prep.leaves, known)
     orders = traced.analysis.orders
-    key = _orders_key(prep, order_spec)
+    key = _orders_key(prep, order_spec, known)
     order = None if key is None else orders.get(key)
     if order is None:
         sim_graph = graph.copy_with(sim_edge)
@@ -510,11 +510,12 @@ def _abstract_evaluation(prep: _Prepared) -> tuple[EdgeGraph, int]:
     return captured["graph"], captured["adds"]
 
 
-def _orders_key(prep: _Prepared, order_spec):
+def _orders_key(prep: _Prepared, order_spec, known: frozenset[int] = frozenset()):
     """What an order resolved on `prep`'s graph is cached under, beside the analysis:
     `order_spec` and the values the partials' patterns are computed from (literals,
     and the leaves and consts the plan bakes in: static indices, masks), which the
-    analysis's fingerprint leaves out. `None` where they cannot be keyed."""
+    analysis's fingerprint leaves out, and how the graph was evaluated (which inputs
+    are traced, which variables `known`). `None` where they cannot be keyed."""
     program = prep.traced.program
     plan = _plan(prep.traced)
     parts = []
@@ -538,7 +539,14 @@ def _orders_key(prep: _Prepared, order_spec):
             add(prep.leaves[j])
         for k in sorted(plan.baked_consts):
             add(program.consts[k])
-        key = (order_spec, tuple(parts))
+        # Which inputs are traced, and which variables the evaluation computes at
+        # trace time: a value read concretely (an `argsort` of an eager call's
+        # input, eagerly or in its compiled run) shapes an index map that, traced
+        # under `jit`, is a lazy map, so the graphs differ where nothing is baked in.
+        traced = tuple(
+            isinstance(x, jp.Tracer) for x in (*prep.leaves, *program.consts)
+        )
+        key = (order_spec, traced, known, tuple(parts))
         hash(key)
     except (_Unkeyable, TypeError):
         return None

@@ -442,3 +442,25 @@ def test_generic_reductions_with_array_initial_values(name, dtype):
     sparse = graphax_eqx.jacve(f, order="rev", sparse_representation=True)(tied)
     monoid = graphax_eqx.jacve(g, order="rev", sparse_representation=True)(tied)
     assert sparse.nse == monoid.nse
+
+
+@pytest.mark.parametrize("order", ["markowitz", "auto", "min_fill"])
+def test_orders_of_eager_graphs_are_not_reused_under_jit(order):
+    # An eager call reads the sort's permutation by value (a static index map); under
+    # `jit` it is traced (a lazy map), another graph. The order resolved eagerly was
+    # reused under `jit`: `count_ops` there disagreed with `elimination_cost`.
+    f = lambda x: jnp.median(x, axis=1)
+    x = jax.random.normal(jax.random.key(0), (4, 5))
+    want = graphax_eqx.elimination_cost(f, order=order)(x)
+    graphax_eqx.jacve(f, order=order)(x)
+    graphax_eqx.jacve(f, order=order)(x)
+    box = {}
+
+    def g(x):
+        jac, counts = graphax_eqx.jacve(f, order=order, count_ops=True)(x)
+        box.update(counts)
+        return jac
+
+    np.testing.assert_allclose(jax.jit(g)(x), jax.jacfwd(f)(x), rtol=1e-6)
+    assert (box["num_muls"], box["num_adds"]) == (want.num_muls, want.num_adds)
+    assert list(box["order"]) == list(want.order)
