@@ -310,32 +310,11 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
         args, kwargs = rebuild(flat)
         with jp.eager_constants() if eager else contextlib.nullcontext():
             res = fun(*args, **kwargs)
-        if has_aux:
-            if not (isinstance(res, (tuple, list)) and len(res) == 2):
-                raise TypeError(
-                    f"`{name}(..., has_aux=True)` expects the function to return a "
-                    "pair `(output, aux)`, but it returned "
-                    f"{_describe_value(res)}."
-                )
-            out, aux = res
-        else:
-            out, aux = res, None
+        store["returned"] = True
+        out, aux = _split_result(res, has_aux, name)
         out_leaves, out_tree = jtu.tree_flatten(out)
         aux_leaves, aux_tree = jtu.tree_flatten(aux)
-        out_leaves = [_as_array(o, "an output", name, output=True) for o in out_leaves]
-        for o in out_leaves:
-            if not jnp.issubdtype(o.dtype, jnp.floating):
-                if jnp.issubdtype(o.dtype, jnp.complexfloating):
-                    fix = (
-                        "Return its real and imaginary parts (`jnp.real(y)`, "
-                        "`jnp.imag(y)`) as separate outputs instead."
-                    )
-                else:
-                    fix = "Return non-float results through `has_aux=True` instead."
-                raise TypeError(
-                    f"`{name}` needs real floating-point outputs, but the function "
-                    f"returned an output of dtype {o.dtype}. {fix}"
-                )
+        out_leaves = _checked_outputs(out_leaves, name)
         static_aux = {
             k: a for k, a in enumerate(aux_leaves) if not isinstance(a, jp.Tracer)
         }
@@ -361,7 +340,9 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
     try:
         closed = jax.make_jaxpr(flat_fun)(*leaves)
     except _VALUE_DEPENDENT as e:
-        if not eager:
+        # Raised inside `fun` (not by the checks of what it returned), outside
+        # `jit`: possibly Python reading a value (`if x > 0`, `jnp.zeros(n)`).
+        if not eager or store.get("returned"):
             raise
         raise _ValueDependent() from e
     program = inline(closed)
@@ -376,12 +357,47 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
     )
 
 
-# What tracing raises where Python needs the value of a differentiated argument.
+# What tracing raises where Python needs the value of a differentiated argument:
+# JAX's tracer errors, and the `TypeError`s and `IndexError`s of functions handed a
+# tracer where they take a static value (`jnp.zeros(n)`, `x[: n]`, `jnp.tile(x, n)`).
 _VALUE_DEPENDENT = (
     jax.errors.ConcretizationTypeError,
     jax.errors.NonConcreteBooleanIndexError,
     jax.errors.TracerArrayConversionError,
+    TypeError,
+    IndexError,
 )
+
+
+def _split_result(res, has_aux: bool, name: str):
+    """`(output, aux)` of what `fun` returned."""
+    if not has_aux:
+        return res, None
+    if not (isinstance(res, (tuple, list)) and len(res) == 2):
+        raise TypeError(
+            f"`{name}(..., has_aux=True)` expects the function to return a "
+            f"pair `(output, aux)`, but it returned {_describe_value(res)}."
+        )
+    return res[0], res[1]
+
+
+def _checked_outputs(out_leaves, name: str) -> list:
+    """`fun`'s output leaves as arrays, which must be real floating point."""
+    out_leaves = [_as_array(o, "an output", name, output=True) for o in out_leaves]
+    for o in out_leaves:
+        if not jnp.issubdtype(o.dtype, jnp.floating):
+            if jnp.issubdtype(o.dtype, jnp.complexfloating):
+                fix = (
+                    "Return its real and imaginary parts (`jnp.real(y)`, "
+                    "`jnp.imag(y)`) as separate outputs instead."
+                )
+            else:
+                fix = "Return non-float results through `has_aux=True` instead."
+            raise TypeError(
+                f"`{name}` needs real floating-point outputs, but the function "
+                f"returned an output of dtype {o.dtype}. {fix}"
+            )
+    return out_leaves
 
 
 class _ValueDependent(Exception):
@@ -1387,7 +1403,7 @@ class _JacVE:
                 "a named order such as 'auto', 'rev' or 'markowitz', or write the "
                 "branches with `jax.lax.cond` / `jnp.where`."
             ) from cause
-        argnums = self.argnums
+        argnums, name = self.argnums, self.name
 
         def at(diff):
             full = list(args)
@@ -1396,7 +1412,9 @@ class _JacVE:
             return full
 
         def partial_fun(*diff):
-            return self.fun(*at(diff), **kwargs)
+            out, aux = _split_result(self.fun(*at(diff), **kwargs), self.has_aux, name)
+            _checked_outputs(jtu.tree_leaves(out), name)
+            return (out, aux) if self.has_aux else out
 
         diff = [args[k] for k in argnums]
         if self.has_aux:

@@ -20,7 +20,7 @@ import jax.extend.core as jex_core
 import jax.extend.linear_util as jex_lu
 from jax import lax
 from jax._src import core as _core, mesh as _mesh_lib, sharding_impls as _sharding_impls
-from jax._src.interpreters import partial_eval as _pe
+from jax._src.interpreters import ad as _src_ad, partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
 from jax._src.state.types import AbstractRef as _AbstractRef
 from jax.core import Tracer as Tracer
@@ -83,6 +83,9 @@ custom_jvp_call_p = _first("custom_jvp_call_p")
 custom_vjp_call_p = _first("custom_vjp_call_p")
 # Calls of functions with custom derivative rules.
 CUSTOM_CALLS = (custom_jvp_call_p, custom_vjp_call_p)
+# A `custom_vjp` function's step in a linearisation (`jax.linearize`): linear in its
+# tangents, and only transposed (by the function's backward rule), never run.
+custom_lin_p = getattr(_src_ad, "custom_lin_p", None)
 add_any_p = _first("add_jaxvals_p", "add_any_p")
 split_p = _first("split_p")
 stack_p = _first("stack_p")

@@ -302,3 +302,50 @@ def test_python_on_differentiated_values_where_no_graph_exists():
             api(_branchy)(x)
     with pytest.raises(TypeError, match="depends on the values"):
         gx.search_order(_branchy, budget_s=0.1, progress=False)(x)
+
+
+def test_eager_python_on_values_with_custom_vjp_and_static_sizes():
+    # A `custom_vjp` function in the linearisation is a step that can only be
+    # transposed (`custom_lin`): its Jacobian is read off its transpose. Sizes
+    # computed from values (`jnp.zeros(n)`) raise `TypeError` in tracing, not a
+    # tracer error, and are linearised too.
+    @jax.custom_vjp
+    def wave(x, y):
+        return jnp.sin(x) * y, x.sum() * y
+
+    wave.defvjp(
+        lambda x, y: (wave(x, y), (x, y)),
+        lambda r, g: (
+            jnp.cos(r[0]) * r[1] * g[0] + g[1] * r[1].sum(),
+            jnp.sin(r[0]) * g[0] + g[1] * r[0].sum(),
+        ),
+    )
+
+    def f(x, y):
+        n = int((x > 0).sum())
+        a, b = wave(x, y)
+        return {"a": a, "b": b[:n] + jnp.zeros(n), "c": jnp.tile(y, n) * x[0]}
+
+    x, y = jnp.array([0.5, -0.2, 0.9]), jnp.array([1.5, 2.0, -0.7])
+    for argnums in (0, 1, (0, 1)):
+        want = jax.jacrev(f, argnums=argnums)(x, y)
+        for order in ("fwd", "rev", "auto"):
+            got = gx.jacve(f, order=order, argnums=argnums)(x, y)
+            assert_tree_matches(got, want)
+    value, _ = gx.value_and_jacve(f)(x, y)
+    assert_tree_matches(value, f(x, y))
+
+
+def test_eager_python_on_values_checks_what_the_function_returns():
+    def counted(x):
+        n = int((x > 0).sum())
+        return jnp.arange(n)  # integer output
+
+    with pytest.raises(TypeError, match="real floating-point outputs.*int"):
+        gx.jacve(counted)(jnp.array([0.5, 1.0]))
+
+    def single(x):
+        return x[: int((x > 0).sum())]
+
+    with pytest.raises(TypeError, match="expects the function to return a pair"):
+        gx.jacve(single, has_aux=True)(jnp.array([0.5, 1.0]))

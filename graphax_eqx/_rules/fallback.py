@@ -24,6 +24,9 @@ from ._base import Same, active_indices, is_float, needed_outputs, shape_of
 
 _FORWARD_ONLY = {lax.while_p}
 _REVERSE_ONLY = {jp.custom_vjp_call_p}
+# Linear in their active operands and only transposable: their Jacobian is read off
+# the transpose.
+_TRANSPOSE_ONLY = {jp.custom_lin_p} - {None}
 
 
 def dense_jacobian(prim, params, primals, active, outs, modes=None):
@@ -42,6 +45,8 @@ def dense_jacobian(prim, params, primals, active, outs, modes=None):
             modes = ("fwd",)
         elif prim in _REVERSE_ONLY:
             modes = ("rev",)
+        elif prim in _TRANSPOSE_ONLY:
+            modes = ("transpose",)
     if "fwd" in modes:
         # Some batching rules batch the primal result along with the tangents (the
         # generic `reduce_window`, whose JVP reduces both in one window), which
@@ -94,6 +99,8 @@ def _local_jacobian(prim, params, idx, float_outs, mode, primals):
     xs = [primals[i] for i in idx]
     if mode == "tangents":
         return _jacobian_by_tangents(f, xs)
+    if mode == "transpose":
+        return _jacobian_by_transpose(f, xs)
     jacobian = jax.jacfwd if mode == "fwd" else jax.jacrev
     return jacobian(f, argnums=tuple(range(len(idx))))(*xs)
 
@@ -167,6 +174,29 @@ def _compiled_when_seen(prim, params, idx, float_outs, mode, primals):
     return found(list(primals))
 
 
+def _jacobian_by_transpose(f, xs):
+    """`jax.jacrev(f, argnums=all)(*xs)` for `f` linear in `xs`, by a `vmap` of its
+    transpose over a basis of cotangents (no JVP: `f` may have none)."""
+    outs = jax.eval_shape(f, *xs)
+    transpose = jax.linear_transpose(f, *xs)
+    sizes = [math.prod(o.shape) for o in outs]
+    eye = jnp.eye(sum(sizes), dtype=jnp.float32)
+
+    def pull(row):
+        cts, start = [], 0
+        for o, n in zip(outs, sizes, strict=True):
+            cts.append(row[start : start + n].reshape(o.shape).astype(o.dtype))
+            start += n
+        return transpose(cts)
+
+    rows = jax.vmap(pull)(eye)  # per input: (sum of output sizes, *input shape)
+    jac, start = [], 0
+    for o, n in zip(outs, sizes, strict=True):
+        jac.append([r[start : start + n].reshape(o.shape + r.shape[1:]) for r in rows])
+        start += n
+    return jac
+
+
 def _jacobian_by_tangents(f, xs):
     """`jax.jacfwd(f, argnums=all)(*xs)` as a `vmap` of JVPs over a basis of
     tangents that never batches the primal computation's result."""
@@ -198,5 +228,33 @@ def _jacobian_by_tangents(f, xs):
 
 
 def fallback_rule(prim, primals, active, params):
+    if prim in _TRANSPOSE_ONLY:
+        return _transposed_only_rule(prim, primals, active, params)
     outs = jp.bind(prim, params, *primals)
     return outs, dense_jacobian(prim, params, primals, active, outs)
+
+
+def _transposed_only_rule(prim, primals, active, params):
+    """A primitive linear in its active operands that can only be transposed: its
+    Jacobian from the transpose, its value that Jacobian applied to them (the other
+    operands, its residuals, enter no other way)."""
+    idx = active_indices(active)
+    outs = [
+        jnp.zeros(a.shape, a.dtype)
+        for a in jax.eval_shape(lambda *xs: jp.bind(prim, params, *xs), *primals)
+    ]
+    if not idx:
+        return outs, {}
+    partials = dense_jacobian(prim, params, primals, active, outs, ("transpose",))
+    for k, o in enumerate(outs):
+        for i in idx:
+            block = partials.get((k, i))
+            if block is not None:
+                x = primals[i]
+                val = (
+                    jnp.tensordot(block.dense(), x, axes=jnp.ndim(x))
+                    if jnp.ndim(x)
+                    else block.dense() * x
+                )
+                outs[k] = outs[k] + val.astype(o.dtype)
+    return outs, partials
