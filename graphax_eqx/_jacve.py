@@ -1376,6 +1376,10 @@ class _JacVE:
                     prep, axes, self.order_spec, self.as_tuple, self.sparse
                 )
             _block_if_calling_back(prep, (jac, out, aux))
+        return self._result(jac, out, aux, counts)
+
+    def _result(self, jac, out, aux, counts):
+        """What the call returns, by `with_value`, `has_aux` and `count_ops`."""
         if self.with_value:
             result = ((out, aux) if self.has_aux else out), jac
         else:
@@ -1440,13 +1444,7 @@ class _JacVE:
         jac, counts = (
             inner(*args, **kwargs) if self.count_ops else (inner(*args, **kwargs), None)
         )
-        if self.with_value:
-            result = ((out, aux) if self.has_aux else out), jac
-        else:
-            result = (jac, aux) if self.has_aux else jac
-        if self.count_ops:
-            return result, counts
-        return result
+        return self._result(jac, out, aux, counts)
 
 
 def jacve(
