@@ -358,15 +358,11 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
 
 
 # What tracing raises where Python needs the value of a differentiated argument:
-# JAX's tracer errors, and the `TypeError`s and `IndexError`s of functions handed a
-# tracer where they take a static value (`jnp.zeros(n)`, `x[: n]`, `jnp.tile(x, n)`).
-_VALUE_DEPENDENT = (
-    jax.errors.ConcretizationTypeError,
-    jax.errors.NonConcreteBooleanIndexError,
-    jax.errors.TracerArrayConversionError,
-    TypeError,
-    IndexError,
-)
+# JAX's tracer errors (`ConcretizationTypeError`, `TracerArrayConversionError`,
+# `NonConcreteBooleanIndexError`) and the plain errors of functions handed a tracer
+# where they take a static value (`jnp.zeros(n)`, `x[: n]`, `jnp.tile(x, n)`) are
+# all of these two kinds.
+_VALUE_DEPENDENT = (TypeError, IndexError)
 
 
 def _split_result(res, has_aux: bool, name: str):
@@ -402,7 +398,7 @@ def _checked_outputs(out_leaves, name: str) -> list:
 
 class _ValueDependent(Exception):
     """Raised by `_trace` outside `jit` where `fun`'s Python reads the value of a
-    differentiated argument (`if x.sum() > 0`); its cause is JAX's error."""
+    differentiated argument (`if x.sum() > 0`); its cause is what tracing raised."""
 
 
 def _describe_value(x) -> str:

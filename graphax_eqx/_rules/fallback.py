@@ -25,7 +25,7 @@ from ._base import Same, active_indices, is_float, needed_outputs, shape_of
 _FORWARD_ONLY = {lax.while_p}
 _REVERSE_ONLY = {jp.custom_vjp_call_p}
 # Linear in their active operands and only transposable: their Jacobian is read off
-# the transpose.
+# the transpose (`_transposed_only_rule`).
 _TRANSPOSE_ONLY = {jp.custom_lin_p} - {None}
 
 
@@ -45,8 +45,6 @@ def dense_jacobian(prim, params, primals, active, outs, modes=None):
             modes = ("fwd",)
         elif prim in _REVERSE_ONLY:
             modes = ("rev",)
-        elif prim in _TRANSPOSE_ONLY:
-            modes = ("transpose",)
     if "fwd" in modes:
         # Some batching rules batch the primal result along with the tangents (the
         # generic `reduce_window`, whose JVP reduces both in one window), which
@@ -235,9 +233,10 @@ def fallback_rule(prim, primals, active, params):
 
 
 def _transposed_only_rule(prim, primals, active, params):
-    """A primitive linear in its active operands that can only be transposed: its
-    Jacobian from the transpose, its value that Jacobian applied to them (the other
-    operands, its residuals, enter no other way)."""
+    """A primitive linear in its active operands that can only be transposed (a
+    `custom_vjp` function's step in a linearisation): its Jacobian from the
+    transpose, and as its value that Jacobian applied to its active operands. (Such
+    steps occur in linear programs, whose values no partial reads.)"""
     idx = active_indices(active)
     outs = [
         jnp.zeros(a.shape, a.dtype)
