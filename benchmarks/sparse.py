@@ -438,6 +438,16 @@ def _check(
 # the sub-millisecond sparse ones to cold caches and freshly mapped memory.
 GROUPS = ((JACVE_SPARSE, ASDEX), (JACVE_DENSE, JACFWD, JACREV), ORDER_METHODS)
 
+# After a call whose program plans at least `SETTLE_BYTES`, the timing loop pauses
+# for `SETTLE_SECONDS` before the next call. Releasing a gigabyte of buffers goes on
+# after the call returns, and on a 2-core host the next call pays for it: on
+# Burgers1D, `jax.jacfwd` took 129 ms right after `jax.jacrev` (1.2 GiB of
+# temporaries) and 61 ms after a pause of 0.1 s or more, or after itself. Without the
+# pause, the rotation below would bill that cost to whichever method most often
+# follows the largest one.
+SETTLE_BYTES = 64 * 2**20
+SETTLE_SECONDS = 0.25
+
 
 def _time_methods(
     result: SparseResult,
@@ -472,6 +482,8 @@ def _time_group(
         start = time.perf_counter()
         _block(programs[method](x))
         seconds = time.perf_counter() - start
+        if (result.memory.get(method) or 0) >= SETTLE_BYTES:
+            time.sleep(SETTLE_SECONDS)
         if seconds > settings.skip_after:
             result.skipped[method] = f"one call {_fmt_time(seconds)}"
             timed.remove(method)
@@ -720,7 +732,10 @@ def render_header(settings: Settings, command: str, elapsed: float | None) -> st
             else ""
         )
         + f"; up to {settings.repeats} repetitions or "
-        f"{settings.time_budget:.0f} s per group and task. "
+        f"{settings.time_budget:.0f} s per group and task. After a call of a program "
+        f"that plans {SETTLE_BYTES // 2**20} MiB or more, the next call waits "
+        f"{SETTLE_SECONDS:g} s, so it does not pay for the release of the previous "
+        "call's buffers. "
         f"A method is skipped when its compiled program plans more than "
         f"{settings.memory_limit / 1024**3:.1f} GiB, or when its first call or any "
         f"timed call takes more than {settings.skip_after:g} s. nnz counts the stored "
