@@ -88,6 +88,19 @@ def test_repr_mentions_shape(name):
 
 
 @pytest.mark.parametrize("name", sorted(_CASES))
+def test_repr_of_mapped_leaves(name):
+    # `jax.tree.map` may put anything in the leaves (shapes, say); the repr still
+    # prints, as Equinox modules' do.
+    result, _ = _sparse_jacobian(name)
+    for tensor in jax.tree_util.tree_leaves(result, is_leaf=_is_sparse):
+        mapped = jax.tree.map(lambda leaf: (leaf.shape, leaf.dtype), tensor)
+        assert type(mapped) is type(tensor)
+        text = repr(mapped)
+        for size in tensor.shape:
+            assert str(size) in text
+
+
+@pytest.mark.parametrize("name", sorted(_CASES))
 def test_is_pytree_of_arrays(name):
     result, _ = _sparse_jacobian(name)
     for tensor in jax.tree_util.tree_leaves(result, is_leaf=_is_sparse):
