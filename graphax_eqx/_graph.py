@@ -618,14 +618,21 @@ _FOLD_SIZE = 1 << 24
 _MOVES_ENTRIES = frozenset({bcoo_transpose_p})
 
 
-def _foldable(eqn: Eqn, ins: Sequence[Any], avals) -> bool:
+def _foldable(
+    eqn: Eqn, ins: Sequence[Any], avals, shaping: frozenset[int] = frozenset()
+) -> bool:
+    """Whether `eqn` is computed at trace time: its operands are known, and its
+    results are integers (index arithmetic), or values that shape the graph (in
+    `shaping`, see `shaping_vars`: a `jnp.linspace` grid that `jnp.interp`
+    searches), or moved entries."""
     if "callback" in str(eqn.prim) or not all(jp.is_concrete(x) for x in ins):
         return False
+    shapes = any(v in shaping for v in eqn.outvars)
     size = 0
     for v in eqn.outvars:
         shape, dtype = avals[v]
         exact = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)
-        if not exact and eqn.prim not in _MOVES_ENTRIES:
+        if not exact and not shapes and eqn.prim not in _MOVES_ENTRIES:
             return False
         size += math.prod(shape)
     return size <= _FOLD_SIZE
@@ -635,8 +642,27 @@ def _foldable(eqn: Eqn, ins: Sequence[Any], avals) -> bool:
 _VALUE_OPERANDS = {lax.select_n_p: (0,), lax.cond_p: (0,)}
 
 
-def shaping_vars(program: Program, structure: Structure) -> frozenset[int]:
+def _calls_programs(eqn: Eqn) -> bool:
+    """Whether `eqn` calls programs of its own (loops, conditionals, custom
+    derivatives): its non-float operands are values passed along, not indices."""
+
+    def program_like(p) -> bool:
+        if isinstance(p, (tuple, list)):
+            return any(program_like(q) for q in p)
+        return isinstance(p, (jex_core.Jaxpr, jex_core.ClosedJaxpr))
+
+    return any(program_like(p) for p in eqn.params.values())
+
+
+def shaping_vars(
+    program: Program, structure: Structure, indices_only: bool = False
+) -> frozenset[int]:
     """The variables whose values can shape the graph, and all they are computed from.
+
+    With `indices_only`, only the index operands of primitives that move entries
+    (gathers, scatters, dynamic slices; not the values a loop or a custom rule
+    passes along) computed from constants alone (no input of the program), and what
+    they are computed from.
 
     A rule handed a known non-float operand (the indices of a gather, a scatter or a
     dynamic slice) reads a static index pattern off its value; the same operand under
@@ -646,15 +672,24 @@ def shaping_vars(program: Program, structure: Structure) -> frozenset[int]:
     value and computes them at trace time (`evaluate(..., known=...)`).
     """
     vid = structure.vid
+    from_inputs: set[int] = set(program.invars)
+    if indices_only:
+        for eqn in program.eqns:
+            if any(isinstance(a, int) and a in from_inputs for a in eqn.invars):
+                from_inputs.update(eqn.outvars)
     found: set[int] = set()
     for eqn in program.eqns:
         if not any(v in vid for v in eqn.outvars):
             continue
         if not any(isinstance(a, int) and a in vid for a in eqn.invars):
             continue
+        if indices_only and _calls_programs(eqn):
+            continue
         skip = _VALUE_OPERANDS.get(eqn.prim, ())
         for i, a in enumerate(eqn.invars):
             if isinstance(a, int) and a not in vid and i not in skip:
+                if indices_only and a in from_inputs:
+                    continue
                 if not jnp.issubdtype(program.avals[a][1], jnp.floating):
                     found.add(a)
     for eqn in reversed(program.eqns):
@@ -668,11 +703,16 @@ def evaluate(
     structure: Structure,
     flat_args: Sequence[Any],
     known: frozenset[int] = frozenset(),
+    shaping: frozenset[int] = frozenset(),
 ) -> tuple[list[Any], EdgeGraph, int]:
     """Run the program, computing primal values and the partials of every edge.
 
     The variables in `known` (see `shaping_vars`) are computed now, whatever their
-    type: their inputs must be known, as when everything is.
+    type: their inputs must be known, as when everything is. Those in `shaping` (the
+    program's `shaping_vars(..., indices_only=True)`) are computed now where their
+    inputs happen to be known
+    (computed from constants only), so that a graph traced under `jit` has the same
+    static index maps as one traced eagerly.
 
     Returns the flat primal outputs, the graph and the additions spent accumulating
     partials of a variable used several times by one equation.
@@ -721,7 +761,9 @@ def evaluate(
                     partial, n = add(old, partial)
                     adds += n
                 graph.set(u, w, partial)
-        elif any(v in known for v in eqn.outvars) or _foldable(eqn, ins, program.avals):
+        elif any(v in known for v in eqn.outvars) or _foldable(
+            eqn, ins, program.avals, shaping
+        ):
             # Index arithmetic on constants is computed now, so that the index maps
             # it feeds have static patterns even under `jit`.
             with jax.ensure_compile_time_eval():

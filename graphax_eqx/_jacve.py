@@ -468,7 +468,9 @@ def _prepare(fun, args, kwargs, argnums, has_aux, name) -> _Prepared:
 def _eliminate(prep: _Prepared, order_spec, known: frozenset[int] = frozenset()):
     traced = prep.traced
     structure = traced.structure
-    flat_out, graph, adds0 = evaluate(traced.program, structure, prep.leaves, known)
+    flat_out, graph, adds0 = evaluate(
+        traced.program, structure, prep.leaves, known, _plan(traced).indices
+    )
     orders = traced.analysis.orders
     key = _orders_key(prep, order_spec, known)
     order = None if key is None else orders.get(key)
@@ -511,10 +513,13 @@ def _abstract_evaluation(prep: _Prepared) -> tuple[EdgeGraph, int]:
     """`prep`'s graph of partials built abstractly (its partials hold abstract
     values: read only their static parts) and the additions made building it."""
     traced = prep.traced
+    shaping = _plan(traced).indices
     captured = {}
 
     def abstract(*leaves):
-        _, graph, adds = evaluate(traced.program, traced.structure, list(leaves))
+        _, graph, adds = evaluate(
+            traced.program, traced.structure, list(leaves), shaping=shaping
+        )
         captured.update(graph=graph, adds=int(adds))
         return 0
 
@@ -924,6 +929,9 @@ class _Plan:
     baked_leaves: frozenset[int]
     baked_consts: frozenset[int]
     compilable: bool
+    # Index operands and what they are computed from, computed at trace time in
+    # any call where they come from constants only (`evaluate(..., shaping=...)`).
+    indices: frozenset[int]
 
 
 def _plan(traced: _Traced) -> _Plan:
@@ -941,6 +949,7 @@ def _plan(traced: _Traced) -> _Plan:
             frozenset(j for j, v in enumerate(program.invars) if v in known),
             frozenset(k for k, v in enumerate(program.constvars) if v in known),
             not callbacks and not (known & diff),
+            shaping_vars(program, analysis.structure, indices_only=True),
         )
     return analysis.plan
 

@@ -1917,3 +1917,36 @@ def test_out_of_bounds_gathers_clamp_with_known_and_traced_indices(order):
     sparse_jac = graphax_eqx.jacve(f, order=order, sparse_representation=True)
     sparse = jax.jit(sparse_jac)(x, i)
     np.testing.assert_allclose(sparse.dense(), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("order", _ORDERS)
+def test_index_maps_from_constant_float_values_are_static_under_jit(order):
+    # `jnp.interp` on a grid built in `fun` (`jnp.linspace`) searches it with float
+    # comparisons. Eagerly those values are known; under `jit` they are computed from
+    # constants only, so they are computed at trace time too: the gathers keep static
+    # coordinates (not dense blocks), and the counts equal `elimination_cost`'s.
+    n = 12
+    xq = jnp.concatenate([jnp.linspace(0.05, 0.95, 9), jnp.linspace(0.0, 1.0, n)])
+
+    def f(y):
+        grid = jnp.linspace(0.0, 1.0, n)
+        order_of = jnp.argsort(jnp.cos(3.0 * grid))  # float keys, constant
+        return jnp.interp(xq, grid, jnp.sin(y) * y) + y[order_of][:3].sum()
+
+    y = _uniform((n,))
+    want = jax.jacfwd(f)(on_host(y))
+    cost = graphax_eqx.elimination_cost(f, order=order)(y)
+    eager = graphax_eqx.jacve(f, order=order, sparse_representation=True)(y)
+    jitted = jax.jit(
+        graphax_eqx.jacve(f, order=order, sparse_representation=True, count_ops=True)
+    )
+    (jac, counts), value = jitted(y), jax.jit(f)(y)
+    assert isinstance(jac, graphax_eqx.CooTensor)
+    assert repr(jac) == repr(eager)
+    assert (int(counts["num_muls"]), int(counts["num_adds"])) == (
+        cost.num_muls,
+        cost.num_adds,
+    )
+    _assert_close(jac.dense(), want)
+    got_value, _ = jax.jit(graphax_eqx.value_and_jacve(f, order=order))(y)
+    np.testing.assert_array_equal(got_value, value)
