@@ -641,6 +641,12 @@ def linear_map(
         # would be emitted into the program even when the transpose is never used.
         def transposed(ct: Array) -> Array:
             like = jax.ShapeDtypeStruct(in_shape, dtype)
+            # A product carries the dtype it was computed in: float32 where a
+            # bfloat16 value met a partial of a float32 sum, say. The cotangent
+            # enters in `f`'s output dtype, as JAX's own transpose would carry it.
+            expected = jax.eval_shape(f, like).dtype
+            if ct.dtype != expected:
+                ct = lax.convert_element_type(ct, expected)
             (out,) = jax.linear_transpose(f, like)(ct)
             return out
 

@@ -464,3 +464,50 @@ def test_orders_of_eager_graphs_are_not_reused_under_jit(order):
     np.testing.assert_allclose(jax.jit(g)(x), jax.jacfwd(f)(x), rtol=1e-6)
     assert (box["num_muls"], box["num_adds"]) == (want.num_muls, want.num_adds)
     assert list(box["order"]) == list(want.order)
+
+
+# --------------------------------------------------------------------------------------
+# Index maps and convolutions in half precision meeting float32 products: `jnp.sum`
+# of bfloat16 values sums in float32, so the products through a reversal, a pad or a
+# convolution of bfloat16 values arrive in float32 (and a convolution with
+# `preferred_element_type=float32` takes bfloat16 operands to a float32 result).
+
+
+def _half_precision_programs():
+    w = jnp.linspace(-1.0, 1.0, 18).reshape(3, 2, 3)
+
+    def conv(v, kernel, **kw):
+        return lax.conv_general_dilated(v[None], kernel, (1,), [(1, 1)], **kw)
+
+    return {
+        "sum after a reversal": lambda v: jnp.sum(jnp.sin(jnp.sin(v)[::-1])),
+        "sum after a pad and a roll": lambda v: jnp.sum(
+            jnp.tanh(jnp.roll(jnp.pad(jnp.sin(v), 1), 2, axis=1))
+        ),
+        "sum after a convolution": lambda v: jnp.sum(
+            jnp.tanh(conv(v, w.astype(v.dtype)))
+        ),
+        "float32 convolution of bfloat16": lambda v: jnp.sum(
+            jnp.tanh(conv(v, w.astype(v.dtype), preferred_element_type=jnp.float32))
+        ),
+    }
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", sorted(_half_precision_programs()))
+def test_half_precision_maps_meeting_float32_products(dtype, name):
+    f = _half_precision_programs()[name]
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(2, 6).astype(dtype)
+    want = jax.jacrev(f)(x)
+    reference = np.asarray(jax.jacrev(f)(x.astype(jnp.float32)), np.float64)
+    for name in ORDERS:
+        order = resolve_order(name, f, (x,))
+        for got in (
+            graphax_eqx.jacve(f, order=order)(x),
+            jax.jit(graphax_eqx.jacve(f, order=order))(x),
+            graphax_eqx.jacve(f, order=order, sparse_representation=True)(x).dense(),
+        ):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_allclose(
+                np.asarray(got, np.float64), reference, rtol=0.05, atol=0.05
+            )

@@ -189,10 +189,13 @@ def _linear_in(prim, params, args, i, out_shape, dtype, tfn=None, muls=0, probe=
     `probe`: see [`graphax_eqx._sparse.LinearMap`][]."""
     args = list(args)
     in_shape = shape_of(args[i])
+    in_dtype = args[i].dtype
 
     def fn(t):
         call = list(args)
-        call[i] = t
+        # In the operand's dtype: a tangent computed in float32 meeting a bfloat16
+        # convolution, whose operands must share a dtype.
+        call[i] = t if t.dtype == in_dtype else lax.convert_element_type(t, in_dtype)
         return prim.bind(*call, **params)
 
     return linear_map(fn, in_shape, out_shape, dtype, tfn=tfn, muls=muls, probe=probe)
