@@ -142,6 +142,13 @@ def _check_differentiable(x, argnum: int, name: str):
             "Keys have no derivative: leave the key's argument out of `argnums` "
             "(it is then treated as a constant)."
         )
+    elif dtype == jax.dtypes.float0:
+        raise TypeError(
+            f"`{name}` can only differentiate with respect to real floating-point "
+            f"inputs, but argument {argnum} has a leaf of dtype float0, the type of "
+            "the tangents of integer values, which holds no numbers to "
+            "differentiate. Leave it out of `argnums`."
+        )
     else:
         problem = "integer or boolean"
         fix = (

@@ -44,6 +44,12 @@ def test_key_argument_type_error():
     graphax_eqx.jacve(f, argnums=1)(jax.random.key(0), _x())
 
 
+def test_float0_argument_type_error():
+    z = np.zeros(3, dtype=jax.dtypes.float0)
+    with pytest.raises(TypeError, match=r"dtype float0.*argnums"):
+        graphax_eqx.jacve(lambda x: x)(z)
+
+
 def test_non_float_leaf_in_pytree_type_error():
     tree = {"w": jnp.ones(2), "n": jnp.arange(2)}
     with pytest.raises(TypeError, match=r"int"):
