@@ -651,7 +651,10 @@ def _calls_programs(eqn: Eqn) -> bool:
             return any(program_like(q) for q in p)
         return isinstance(p, (jex_core.Jaxpr, jex_core.ClosedJaxpr))
 
-    return any(program_like(p) for p in eqn.params.values())
+    # A scatter's `update_jaxpr` only combines two entries.
+    return any(
+        program_like(p) for k, p in eqn.params.items() if k != "update_jaxpr"
+    )
 
 
 def shaping_vars(

@@ -1931,7 +1931,11 @@ def test_index_maps_from_constant_float_values_are_static_under_jit(order):
     def f(y):
         grid = jnp.linspace(0.0, 1.0, n)
         order_of = jnp.argsort(jnp.cos(3.0 * grid))  # float keys, constant
-        return jnp.interp(xq, grid, jnp.sin(y) * y) + y[order_of][:3].sum()
+        # A scatter-add whose ids `searchsorted` finds (`update_jaxpr` is no loop).
+        bins = jnp.asarray([0.0, 0.3, 0.5, 1.0])
+        counts, _ = jnp.histogram(grid, bins=bins, weights=y, density=True)
+        interpolated = jnp.interp(xq, grid, jnp.sin(y) * y) + y[order_of][:3].sum()
+        return jnp.concatenate([interpolated, counts])
 
     y = _uniform((n,))
     want = jax.jacfwd(f)(on_host(y))
@@ -1949,4 +1953,5 @@ def test_index_maps_from_constant_float_values_are_static_under_jit(order):
     )
     _assert_close(jac.dense(), want)
     got_value, _ = jax.jit(graphax_eqx.value_and_jacve(f, order=order))(y)
-    np.testing.assert_array_equal(got_value, value)
+    # Equal up to the order the histogram's scatter-add sums its colliding weights.
+    np.testing.assert_allclose(got_value, value, rtol=1e-6)
