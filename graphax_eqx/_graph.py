@@ -652,9 +652,7 @@ def _calls_programs(eqn: Eqn) -> bool:
         return isinstance(p, (jex_core.Jaxpr, jex_core.ClosedJaxpr))
 
     # A scatter's `update_jaxpr` only combines two entries.
-    return any(
-        program_like(p) for k, p in eqn.params.items() if k != "update_jaxpr"
-    )
+    return any(program_like(p) for k, p in eqn.params.items() if k != "update_jaxpr")
 
 
 def shaping_vars(
