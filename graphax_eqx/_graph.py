@@ -711,9 +711,8 @@ def evaluate(
     The variables in `known` (see `shaping_vars`) are computed now, whatever their
     type: their inputs must be known, as when everything is. Those in `shaping` (the
     program's `shaping_vars(..., indices_only=True)`) are computed now where their
-    inputs happen to be known
-    (computed from constants only), so that a graph traced under `jit` has the same
-    static index maps as one traced eagerly.
+    inputs happen to be known (computed from constants only), so that a graph traced
+    under `jit` has the same static index maps as one traced eagerly.
 
     Returns the flat primal outputs, the graph and the additions spent accumulating
     partials of a variable used several times by one equation.
