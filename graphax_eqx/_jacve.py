@@ -200,6 +200,9 @@ class _Traced:
     # computed outside `fun`), by position: returned as they are, as `jax.jacrev`
     # returns them outside `jit`.
     static_aux: dict[int, Any]
+    # Output leaves the trace did not touch (a Python float, a NumPy scalar): the
+    # values `value_and_jacve` returns as they are, as `jax.value_and_grad` does.
+    static_out: dict[int, Any]
 
     @property
     def structure(self) -> Structure:
@@ -321,6 +324,11 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
         out, aux = _split_result(res, has_aux, name)
         out_leaves, out_tree = jtu.tree_flatten(out)
         aux_leaves, aux_tree = jtu.tree_flatten(aux)
+        static_out = {
+            k: o
+            for k, o in enumerate(out_leaves)
+            if not isinstance(o, jp.Tracer)
+        }
         out_leaves = _checked_outputs(out_leaves, name)
         static_aux = {
             k: a for k, a in enumerate(aux_leaves) if not isinstance(a, jp.Tracer)
@@ -331,6 +339,7 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
             aux_tree=aux_tree,
             num_out=len(out_leaves),
             static_aux=static_aux,
+            static_out=static_out,
         )
         return out_leaves + aux_leaves
 
@@ -361,6 +370,7 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
         store["num_out"],
         tuple(closed.out_avals),
         store["static_aux"],
+        store["static_out"],
     )
 
 
@@ -707,7 +717,10 @@ def _output_values(flat_out, out_avals) -> list:
 
 def _split_outputs(prep: _Prepared, vals):
     traced = prep.traced
-    out = jtu.tree_unflatten(traced.out_tree, vals[: traced.num_out])
+    out_leaves = [
+        traced.static_out.get(k, v) for k, v in enumerate(vals[: traced.num_out])
+    ]
+    out = jtu.tree_unflatten(traced.out_tree, out_leaves)
     traced_aux = iter(vals[traced.num_out :])
     aux_leaves = [
         traced.static_aux[k] if k in traced.static_aux else next(traced_aux)

@@ -216,6 +216,29 @@ def test_aux_objects_the_function_did_not_compute_come_back_as_they_are():
         np.testing.assert_allclose(a, b)
 
 
+def test_outputs_the_function_did_not_compute_come_back_as_they_are():
+    # `jax.value_and_grad` and `eqx.filter_value_and_grad` return an output the trace
+    # never touched (a Python float, a NumPy scalar) as it is, outside `jit`.
+    import equinox as eqx
+
+    scale = np.float32(3.0)
+    for value_and_jac, reference in (
+        (gx.value_and_jacve, jax.value_and_grad),
+        (gx.filter_value_and_jacve, eqx.filter_value_and_grad),
+    ):
+        for f in (lambda x: 2.0, lambda x: scale):
+            value, jac = value_and_jac(f)(_X)
+            want_value, want_grad = reference(f)(_X)
+            assert type(value) is type(want_value) and value == want_value
+            assert_tree_matches(jac, want_grad)
+    f = lambda x: (2.0, jnp.sin(x).sum())
+    (const, y), (jconst, jy) = gx.value_and_jacve(f)(_X)
+    assert type(const) is float and isinstance(y, jax.Array)
+    assert_tree_matches((jconst, jy), jax.jacrev(f)(_X))
+    (const, _), _ = jax.jit(gx.value_and_jacve(f))(_X)
+    assert isinstance(const, jax.Array) and const.weak_type
+
+
 def _branchy(x):
     if x.sum() > 0:
         return jnp.sin(x) * x[0]
