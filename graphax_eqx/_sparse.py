@@ -639,12 +639,16 @@ def linear_map(
         # Derived where it is used (in that trace): transposing traces `f`, and
         # whatever in it does not depend on its input (a loop map's zero tangents)
         # would be emitted into the program even when the transpose is never used.
+        out_dtype = []  # `f`'s output dtype, found on first use
+
         def transposed(ct: Array) -> Array:
             like = jax.ShapeDtypeStruct(in_shape, dtype)
             # A product carries the dtype it was computed in: float32 where a
             # bfloat16 value met a partial of a float32 sum, say. The cotangent
             # enters in `f`'s output dtype, as JAX's own transpose would carry it.
-            expected = jax.eval_shape(f, like).dtype
+            if not out_dtype:
+                out_dtype.append(jax.eval_shape(f, like).dtype)
+            expected = out_dtype[0]
             if ct.dtype != expected:
                 ct = lax.convert_element_type(ct, expected)
             (out,) = jax.linear_transpose(f, like)(ct)
