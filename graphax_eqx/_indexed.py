@@ -58,6 +58,8 @@ DENSE_MIN_SIZE = 1 << 14
 DENSE_PRODUCT_RATIO = 100
 # Beyond this many entry pairs, a product is not planned entry by entry.
 MAX_PAIRS = 1 << 26
+# Gathers of at most this many entries by static indices are emitted as slices.
+SMALL_TAKE = 16
 
 
 def _index_dtype(n: int):
@@ -1332,13 +1334,13 @@ def _segment_sum_axis(x: Array, plan: SegmentSum, axis: int) -> Array:
 
 
 def _take_last(x: Array, idx: np.ndarray) -> Array:
-    """`x[..., idx]` for static in-bounds `idx`, as one `gather`."""
+    """`x[..., idx]` for static in-bounds `idx` (see `_take_axis`)."""
     return _take_axis(x, idx, x.ndim - 1)
 
 
 def _take_axis(x: Array, idx: np.ndarray, axis: int) -> Array:
-    """`jnp.take(x, idx, axis)` for static in-bounds `idx`, as one `gather` (of
-    whole slices along the other axes)."""
+    """`jnp.take(x, idx, axis)` for static in-bounds `idx`: one `gather` (of whole
+    slices along the other axes), or slices where `idx` is short."""
     n = x.shape[axis]
     if len(idx) == n and np.array_equal(idx, np.arange(n)):
         return x
@@ -1347,6 +1349,17 @@ def _take_axis(x: Array, idx: np.ndarray, axis: int) -> Array:
         # Every index is 0: a broadcast, not a gather.
         out = shape[:axis] + (len(idx),) + shape[axis + 1 :]
         return lax.broadcast_in_dim(x, out, tuple(range(x.ndim)))
+    if 0 < len(idx) <= SMALL_TAKE:
+        # Runs of consecutive indices as slices, put together. Under `vmap` (a
+        # per-example function reading a state vector by index) a gather along the
+        # last axis becomes a batched gather that XLA lays out with transposes and
+        # copies; slices stay in place and fuse.
+        runs = np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1)
+        pieces = [
+            lax.slice_in_dim(x, int(run[0]), int(run[-1]) + 1, axis=axis)
+            for run in runs
+        ]
+        return pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, axis)
     dnums = lax.GatherDimensionNumbers(
         offset_dims=tuple(d for d in range(x.ndim) if d != axis),
         collapsed_slice_dims=(axis,),

@@ -325,9 +325,7 @@ def _trace(fun, rebuild, leaves, has_aux, name) -> _Traced:
         out_leaves, out_tree = jtu.tree_flatten(out)
         aux_leaves, aux_tree = jtu.tree_flatten(aux)
         static_out = {
-            k: o
-            for k, o in enumerate(out_leaves)
-            if not isinstance(o, jp.Tracer)
+            k: o for k, o in enumerate(out_leaves) if not isinstance(o, jp.Tracer)
         }
         out_leaves = _checked_outputs(out_leaves, name)
         static_aux = {

@@ -62,7 +62,14 @@ def _eye_mask(shape, i1: int, i2: int) -> Array:
 
 
 def _sum_axes(x: Array, axes) -> Array:
-    axes = tuple(axes)
+    shape = tuple(x.shape)
+    # Axes of size 1 hold one term each: dropped by a reshape, not reduced.
+    ones = [a for a in axes if shape[a] == 1]
+    axes = tuple(a for a in axes if shape[a] != 1)
+    if ones:
+        kept = [a for a in range(len(shape)) if a not in ones]
+        x = lax.reshape(x, tuple(shape[a] for a in kept))
+        axes = tuple(kept.index(a) for a in axes)
     if not axes:
         return x
     return lax.reduce(x, np.array(0, x.dtype), lax.add, axes)
