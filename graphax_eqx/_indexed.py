@@ -58,8 +58,10 @@ DENSE_MIN_SIZE = 1 << 14
 DENSE_PRODUCT_RATIO = 100
 # Beyond this many entry pairs, a product is not planned entry by entry.
 MAX_PAIRS = 1 << 26
-# Gathers of at most this many entries by static indices are emitted as slices.
+# Gathers of at most `SMALL_TAKE` entries by static indices, in at most
+# `SMALL_TAKE_RUNS` runs of consecutive indices, are emitted as slices.
 SMALL_TAKE = 16
+SMALL_TAKE_RUNS = 8
 
 
 def _index_dtype(n: int):
@@ -1349,15 +1351,16 @@ def _take_axis(x: Array, idx: np.ndarray, axis: int) -> Array:
         # Every index is 0: a broadcast, not a gather.
         out = shape[:axis] + (len(idx),) + shape[axis + 1 :]
         return lax.broadcast_in_dim(x, out, tuple(range(x.ndim)))
-    if 0 < len(idx) <= SMALL_TAKE:
-        # Runs of consecutive indices as slices, put together. Under `vmap` (a
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    if 0 < len(idx) <= SMALL_TAKE and len(breaks) < SMALL_TAKE_RUNS:
+        # A few runs of consecutive indices: slices, put together. Under `vmap` (a
         # per-example function reading a state vector by index) a gather along the
         # last axis becomes a batched gather that XLA lays out with transposes and
-        # copies; slices stay in place and fuse.
-        runs = np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1)
+        # copies; slices stay in place and fuse. (Many runs of single entries are
+        # slower as slices than as one gather.)
         pieces = [
             lax.slice_in_dim(x, int(run[0]), int(run[-1]) + 1, axis=axis)
-            for run in runs
+            for run in np.split(idx, breaks)
         ]
         return pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, axis)
     dnums = lax.GatherDimensionNumbers(

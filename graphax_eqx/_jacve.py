@@ -853,6 +853,15 @@ def _run_auto(prep: _Prepared, axes: jp.AutoAxes, order_spec, as_tuple, sparse):
     )
     keys = _block_keys(prep)
     assert len(blocks) == len(keys)
+    anchors = [x for x in prep.leaves if isinstance(x, jp.Tracer)]
+    if anchors and axes.concrete is None and jp.staging():
+        # Under `jit` without a concrete mesh, a program whose results are typed on
+        # the mesh but use none of its arguments (a linear map's constant Jacobian)
+        # loses them to dead-code elimination, and with them its devices: JAX then
+        # refuses to lower it. Kept as an operand of a barrier, an argument stays.
+        blocks, flat_out = jax.lax.optimization_barrier(
+            ((blocks, flat_out), anchors[0])
+        )[0]
     if sparse:
         blocks = [_sparse_from_auto(b, targets[k], axes) for b, k in zip(blocks, keys)]
     else:

@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import jax.extend.core as jex_core
 import jax.extend.linear_util as jex_lu
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src import core as _core, mesh as _mesh_lib, sharding_impls as _sharding_impls
 from jax._src.interpreters import ad as _src_ad, partial_eval as _pe
@@ -301,6 +303,8 @@ class AutoAxes:
     explicit: AbstractMesh
     auto: AbstractMesh
     axes: tuple[str, ...]
+    # The concrete mesh of `explicit` (from the arrays or the context), if known.
+    concrete: Mesh | None = None
 
     def spec(self, spec) -> PartitionSpec:
         """`spec` without the converted axes: a type on the auto mesh."""
@@ -335,7 +339,14 @@ def explicit_axes(values, params_list) -> AutoAxes | None:
         if t == AxisType.Explicit
     )
     auto = mesh.update_axis_types({a: AxisType.Auto for a in axes})
-    return AutoAxes(mesh, auto, axes)
+    concrete = [_mesh_lib.get_concrete_mesh()]
+    concrete += [
+        getattr(getattr(x, "sharding", None), "mesh", None)
+        for x in values
+        if isinstance(x, jax.Array) and not isinstance(x, Tracer)
+    ]
+    concrete = [m for m in concrete if isinstance(m, Mesh) and m.abstract_mesh == mesh]
+    return AutoAxes(mesh, auto, axes, concrete[0] if concrete else None)
 
 
 def _param_meshes(params_list) -> list:
@@ -389,6 +400,17 @@ def from_auto(x, sharding, axes: AutoAxes):
         if _mesh_of_aval(jax.typeof(x)) is None:
             return x
         sharding = NamedSharding(axes.explicit, PartitionSpec())
+    if (
+        isinstance(x, jax.Array)
+        and not isinstance(x, Tracer)
+        and len(x.sharding.device_set) != axes.explicit.size
+    ):
+        # A value computed from constants alone (the Jacobian of a linear map) sits
+        # on one device, where `reshard` cannot take it from: placed on the mesh
+        # where it is known, else handed over as a constant of the trace.
+        if axes.concrete is not None:
+            return jax.device_put(x, NamedSharding(axes.concrete, sharding.spec))
+        x = jnp.asarray(np.asarray(x))
     return reshard(x, sharding)
 
 

@@ -157,6 +157,34 @@ _SCRIPT = textwrap.dedent(
         placement=False,
     )
 
+    # A linear map: its Jacobian is computed from constants alone, on one device, and
+    # under `jit` the program uses none of its arguments (JAX refuses to lower a
+    # program typed on a mesh that uses no argument). On Auto axes the placement of
+    # such a constant is the partitioner's choice: types and values compared.
+    linear = lambda v: jnp.convolve(v, jnp.array([1.0, -2.0, 0.5]), mode="same")
+    for jit_ in (False, True):
+        wrap = jax.jit if jit_ else (lambda f: f)
+        # Under `jit`, `jax.jacrev` types this constant unsharded where its eager
+        # call shards it: there values alone are compared.
+        plain = np.asarray if jit_ else (lambda a: a)
+        for order in ("rev", "auto"):
+            check(
+                f"linear map {order} jit={jit_}",
+                lambda: plain(wrap(gx.jacve(linear, order=order))(x)),
+                lambda: plain(wrap(jax.jacrev(linear))(x)),
+                placement=EXPLICIT and not jit_,
+            )
+        check(
+            f"linear map sparse jit={jit_}",
+            lambda: np.asarray(
+                wrap(lambda v: gx.jacve(linear, sparse_representation=True)(v).dense())(
+                    x
+                )
+            ),
+            lambda: np.asarray(jax.jacrev(linear)(x)),
+            placement=False,
+        )
+
     # `with_sharding_constraint`: on Explicit axes JAX allows it only as an assertion,
     # and `jax.jacrev` then fails, so there it constrains an Auto axis of a mixed mesh.
     if EXPLICIT:
