@@ -396,11 +396,9 @@ def _scalar_text(val) -> str | None:
     """A constant value as text: its number when concrete, empty under a trace."""
     if val is None:
         return None
-    try:
-        ndim = jnp.ndim(val)
-    except (TypeError, ValueError):  # leaves replaced by `jax.tree.map`, say
-        return type(val).__name__
-    if ndim != 0:
+    if not isinstance(val, (jax.Array, np.ndarray, np.generic, int, float)):
+        return type(val).__name__  # leaves replaced by `jax.tree.map`, say
+    if jnp.ndim(val) != 0:
         return "array"
     try:
         return f"{float(val):g}"
