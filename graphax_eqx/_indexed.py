@@ -1351,8 +1351,10 @@ def _take_axis(x: Array, idx: np.ndarray, axis: int) -> Array:
         # Every index is 0: a broadcast, not a gather.
         out = shape[:axis] + (len(idx),) + shape[axis + 1 :]
         return lax.broadcast_in_dim(x, out, tuple(range(x.ndim)))
-    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    if 0 < len(idx) <= SMALL_TAKE and len(breaks) < SMALL_TAKE_RUNS:
+    breaks = None
+    if 0 < len(idx) <= SMALL_TAKE:
+        breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    if breaks is not None and len(breaks) < SMALL_TAKE_RUNS:
         # A few runs of consecutive indices: slices, put together. Under `vmap` (a
         # per-example function reading a state vector by index) a gather along the
         # last axis becomes a batched gather that XLA lays out with transposes and

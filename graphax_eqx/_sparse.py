@@ -62,7 +62,7 @@ def _eye_mask(shape, i1: int, i2: int) -> Array:
 
 
 def _sum_axes(x: Array, axes) -> Array:
-    shape = tuple(x.shape)
+    axes, shape = tuple(axes), tuple(x.shape)
     # Axes of size 1 hold one term each: dropped by a reshape, not reduced.
     ones = [a for a in axes if shape[a] == 1]
     axes = tuple(a for a in axes if shape[a] != 1)
