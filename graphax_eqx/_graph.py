@@ -588,6 +588,8 @@ class EdgeGraph:
         self.pred: dict[int, dict[int, Any]] = {}
         # Exact patterns of result blocks computed densely (`densify_small_blocks`).
         self.exact: dict[tuple[int, int], Any] = {}
+        # Whether `densify_small_blocks` stored the partials as dense blocks.
+        self.densified = False
 
     def add_vertex(self, v: int):
         self.succ.setdefault(v, {})

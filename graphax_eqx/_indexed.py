@@ -41,6 +41,7 @@ from ._sparse import (
     batched_dense,
     eager_compiled,
     full_mask,
+    known,
     make_pattern,
     vmapped_axes,
 )
@@ -700,13 +701,27 @@ def densify_small_blocks(graph, structure) -> bool:
             if isinstance(e, CooTensor):
                 graph.set(u, w, _densified(e))
     graph.exact = exact
+    graph.densified = True
     return True
 
 
 def _densified(e: CooTensor) -> SparseTensor:
     """`e` stored densely on its free axes, its structural zeros selected away: a
     product through them holds no term, so an infinite partial meets no zero there
-    (as on coordinates) and the Jacobian's NaNs stay where the coordinates put them."""
+    (as on coordinates) and the Jacobian's NaNs stay where the coordinates put them.
+
+    A pure index map (no values, nothing selected away) becomes a block of zeros and
+    ones known when the program is traced, held as a NumPy array: products with it
+    select entries rather than multiply them (see `graphax_eqx._sparse.
+    _select_contraction`), which keeps those NaN semantics without a mask."""
+    if e.mask is None and e.val is None:
+        assert not any(e.pattern.varying)
+        p = e.pattern
+        pattern, perm = labeled_pattern(p)
+        flat = np.zeros(p.n_out_free * p.n_in_free, np.dtype(e.dtype))
+        flat[p.rows * p.n_in_free + p.cols] = 1
+        block = flat.reshape(p.out_free_shape + p.in_free_shape)
+        return SparseTensor(known(np.transpose(block, perm)), pattern, e.dtype)
     if e.mask is None:
         val = e.val
         if val is None:
@@ -714,6 +729,39 @@ def _densified(e: CooTensor) -> SparseTensor:
             val = jnp.ones((e.pattern.nnz,), e.dtype)
         e = CooTensor(val, e.pattern, e.dtype, jnp.zeros(val.shape, bool))
     return to_labeled(e)
+
+
+def mask_known_blocks(graph) -> None:
+    """Give the index maps `_densified` stores as known blocks their structural
+    zeros as a mask, for orders other than forward and reverse mode.
+
+    Eliminated in forward (reverse) order, every product is a partial times an
+    accumulated tangent (cotangent) block, as in `jax.jacfwd` (`jax.jacrev`): a block
+    entry no path reaches is zero there as in JAX's tangents, and a known block,
+    applied by selection, moves entries as JAX's index maps do. Other orders multiply
+    accumulated blocks with one another, where such a zero would meet an infinite
+    partial that neither of JAX's modes multiplies by it: there every entry that
+    holds no term is selected away, as on coordinates."""
+    for u, row in graph.succ.items():
+        for w, e in list(row.items()):
+            if isinstance(e, SparseTensor) and isinstance(e.val, np.ndarray):
+                mask = jnp.asarray(e.val == 0)
+                graph.set(
+                    u, w, SparseTensor(jnp.asarray(e.val), e.pattern, e.dtype, mask)
+                )
+
+
+def release_known_blocks(graph) -> None:
+    """Store the blocks still known when the program is traced (an index map that
+    no elimination multiplied) as arrays, as results are."""
+    for u, row in graph.succ.items():
+        for w, e in list(row.items()):
+            if isinstance(e, SparseTensor) and (
+                isinstance(e.val, np.ndarray) or isinstance(e.mask, np.ndarray)
+            ):
+                val = None if e.val is None else jnp.asarray(e.val)
+                mask = None if e.mask is None else jnp.asarray(e.mask)
+                graph.set(u, w, SparseTensor(val, e.pattern, e.dtype, mask))
 
 
 def restore_exact(graph) -> None:

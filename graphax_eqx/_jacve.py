@@ -39,7 +39,9 @@ from ._graph import (
 from ._indexed import (
     CooPattern,
     CooTensor,
+    mask_known_blocks,
     plain_tensor,
+    release_known_blocks,
     restore_exact,
     sums_as_gathers,
 )
@@ -499,8 +501,14 @@ def _eliminate(prep: _Prepared, order_spec, known: frozenset[int] = frozenset())
         )
         if key is not None:
             _remember(orders, key, order, _MAX_ORDERS)
+    if graph.densified:
+        inter = list(structure.intermediates)
+        if list(order) != inter and list(order) != inter[::-1]:
+            mask_known_blocks(graph)
     with sums_as_gathers():
         muls, adds, per_vertex = run_order(graph, order, real_product, real_add)
+    if graph.densified:
+        release_known_blocks(graph)
     if graph.exact:
         restore_exact(graph)
     counts = {

@@ -24,7 +24,7 @@ import functools
 import math
 import string
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -313,6 +313,8 @@ class SparseTensor(BlockShape, eqx.Module):
     **Attributes:**
 
     - `val`: the value array, or `None` when every stored entry is exactly one.
+        (While a Jacobian is computed, the index maps of a vectorised batch hold
+        NumPy arrays here, known when the program is traced; results never do.)
     - `pattern`: the static `graphax_eqx._sparse.Pattern`.
     - `dtype`: the dtype of the Jacobian.
     - `mask`: `None`, or a boolean array marking *selected-away* entries: zeros
@@ -698,6 +700,8 @@ def _broadcast_val(st: SparseTensor, target_val_labels: tuple[int, ...], target=
     mapping = _label_map(p, target)
     tsizes = target.sizes
     val = np.ones((), st.dtype) if st.val is None else st.val
+    if isinstance(val, np.ndarray):
+        return known(_broadcast_known(val, p, target, mapping, target_val_labels))
     # Each carried source label goes to the last target label on its axes: for a tie
     # being separated, its input axis. Either is exact; on sharded inputs this lets the
     # partitioner lay dense blocks out as `jax.jacrev`'s (input axes sharded).
@@ -719,6 +723,39 @@ def _broadcast_val(st: SparseTensor, target_val_labels: tuple[int, ...], target=
             mask = _eye_mask(full_shape, i1, i2)
             val = lax.select(mask, val, lax.full_like(val, 0))
     return val
+
+
+def known(x: np.ndarray) -> Array:
+    """`x`, a block known when the program is traced (see `_indexed._densified`),
+    typed as the array it stands for: `lax` and `jnp` operations take it as one, and
+    `_select_contraction` reads it as NumPy."""
+    return cast(Array, x)
+
+
+def _broadcast_known(val: np.ndarray, p, target, mapping, target_val_labels):
+    """`_broadcast_val` for values known when the program is traced (see
+    `_indexed._densified`): the same layout, computed with NumPy."""
+    primary = [mapping[label][-1] for label in p.val_labels]
+    order = sorted(
+        range(len(primary)), key=lambda i: target_val_labels.index(primary[i])
+    )
+    val = np.transpose(val, order)
+    full_shape = tuple(target.sizes[t] for t in target_val_labels)
+    positions = sorted(target_val_labels.index(t) for t in primary)
+    expanded = [1] * len(full_shape)
+    for k, at in enumerate(positions):
+        expanded[at] = val.shape[k]
+    val = np.broadcast_to(val.reshape(expanded), full_shape)
+    for ts in mapping.values():
+        if len(ts) == 2:
+            i1, i2 = (target_val_labels.index(t) for t in ts)
+            eye = np.expand_dims(
+                np.arange(full_shape[i1]), tuple(range(1, len(full_shape) - i1))
+            ) == np.expand_dims(
+                np.arange(full_shape[i2]), tuple(range(1, len(full_shape) - i2))
+            )
+            val = np.where(eye, val, np.zeros((), val.dtype))
+    return np.array(val)
 
 
 def refine(st: SparseTensor, target: Pattern) -> SparseTensor:
@@ -1199,6 +1236,18 @@ def _product(
             masks.append(_compact_mask(x.mask, sub))
             owners.append(at)
     out_mask = None
+    is_known = [isinstance(x, np.ndarray) for x in operands]
+    if operands and all(is_known):
+        # Index maps of a vectorised batch (see `_indexed._densified`): composed
+        # when the program is traced.
+        val = np.einsum(f"{','.join(subs)}->{plan.out_sub}", *operands)
+        val = known((val * plan.factor).astype(np.dtype(dtype)))
+        return SparseTensor(val, plan.pattern, jnp.dtype(dtype)), plan.muls
+    if any(is_known) and len(operands) == 2:
+        val, out_mask = _select_contraction(operands, subs, masks, plan.out_sub, dtype)
+        if plan.factor != 1:
+            val = lax.mul(val, lax.full_like(val, plan.factor))
+        return SparseTensor(val, plan.pattern, jnp.dtype(dtype), out_mask), plan.muls
     if not operands:
         val = None if plan.factor == 1 else jnp.asarray(plan.factor, dtype)
     elif not all(set(sub) <= set(plan.out_sub) for _, sub in masks):
@@ -1229,6 +1278,91 @@ def _product(
             out_mask = _union_mask(masks, plan.out_sub, tuple(val.shape))
             val = _select_away(val, out_mask)
     return SparseTensor(val, plan.pattern, jnp.dtype(dtype), out_mask), plan.muls
+
+
+def _select_contraction(operands, subs, masks, out_sub: str, dtype):
+    """The contraction of a block of zeros and ones known when the program is traced
+    (an index map of a vectorised batch, see `_indexed._densified`) with a traced
+    block, as selections and sums of the traced block's slices: no entry is
+    multiplied, so an infinite or NaN entry reaches only the entries the index map
+    takes it to, as through coordinates. Returns the values and, where the traced
+    block selects entries away, the mask of result entries all of whose terms are
+    selected away (or that have none)."""
+    at = 0 if isinstance(operands[0], np.ndarray) else 1
+    block, sk = operands[at], subs[at]
+    other, so_ = operands[1 - at], subs[1 - at]
+    sizes = dict(zip(sk, block.shape))
+    sizes.update(zip(so_, other.shape))
+    # Letters only the traced block has, summed there first (with its mask).
+    own = [i for i, c in enumerate(so_) if c not in out_sub and c not in sk]
+    mask = None
+    if masks:
+        ((mask, mask_sub),) = masks
+        mask = _align_full(mask, mask_sub, so_, tuple(other.shape))
+    if own:
+        other = _sum_axes(other, own)
+        if mask is not None:
+            mask = jnp.all(mask, axis=tuple(own))
+        so_ = "".join(c for i, c in enumerate(so_) if i not in own)
+    own_known = [i for i, c in enumerate(sk) if c not in out_sub and c not in so_]
+    if own_known:
+        block = block.sum(axis=tuple(own_known))
+        sk = "".join(c for i, c in enumerate(sk) if i not in own_known)
+    contract = [c for c in sk if c in so_ and c not in out_sub]
+    rest_k = "".join(c for c in sk if c not in contract)
+    rest_o = "".join(c for c in so_ if c not in contract)
+    count = math.prod(sizes[c] for c in contract)
+    block = np.transpose(
+        block, [sk.index(c) for c in contract] + [sk.index(c) for c in rest_k]
+    ).reshape((count,) + tuple(sizes[c] for c in rest_k))
+    perm = [so_.index(c) for c in contract] + [so_.index(c) for c in rest_o]
+    rest_shape = tuple(sizes[c] for c in rest_o)
+    other = lax.reshape(_transpose(other, perm), (count,) + rest_shape)
+    if mask is not None:
+        mask = lax.reshape(_transpose(mask, perm), (count,) + rest_shape)
+    shape = tuple(sizes[c] for c in out_sub)
+    out = out_mask = None
+    for k in range(count):
+        coefficient = block[k]
+        if not coefficient.any():
+            continue
+        piece = lax.index_in_dim(other, k, 0, keepdims=False)
+        term = _multiply_aligned([_cast(piece, dtype)], [rest_o], out_sub, sizes)
+        if not (coefficient == 1).all():
+            if not ((coefficient == 0) | (coefficient == 1)).all():
+                c = _multiply_aligned(
+                    [jnp.asarray(coefficient, dtype)], [rest_k], out_sub, sizes
+                )
+                term = lax.mul(term, c)
+            if not (coefficient != 0).all():
+                live = _multiply_aligned(
+                    [jnp.asarray(coefficient != 0)], [rest_k], out_sub, sizes
+                )
+                term = lax.select(live, term, lax.full_like(term, 0))
+        out = term if out is None else lax.add(out, term)
+        if mask is not None:
+            dead = _multiply_aligned(
+                [lax.index_in_dim(mask, k, 0, keepdims=False)], [rest_o], out_sub, sizes
+            )
+            if not (coefficient != 0).all():
+                idle = _multiply_aligned(
+                    [jnp.asarray(coefficient == 0)], [rest_k], out_sub, sizes
+                )
+                dead = lax.bitwise_or(dead, idle)
+            out_mask = dead if out_mask is None else lax.bitwise_and(out_mask, dead)
+    if out is None:
+        out = jnp.zeros(shape, dtype)
+        if mask is not None:
+            out_mask = known(np.ones((1,) * len(shape), bool))
+    if out_mask is not None:
+        out = _select_away(out, out_mask)
+    return out, out_mask
+
+
+def _align_full(mask: Array, sub: str, full_sub: str, shape) -> Array:
+    """A compact mask over `sub` laid out over `full_sub` at full `shape`."""
+    dims = tuple(full_sub.index(c) for c in full_sub if c in sub)
+    return lax.broadcast_in_dim(_align(mask, sub, full_sub), tuple(shape), dims)
 
 
 def _then(shared, tag: str, other, compose):
@@ -1440,6 +1574,17 @@ def add(a: Partial, b: Partial) -> tuple[Partial, int]:
         )
         return out, adds
     a, b = to_sparse(a), to_sparse(b)
+    known_a, known_b = isinstance(a.val, np.ndarray), isinstance(b.val, np.ndarray)
+    if known_a and known_b:
+        va = _broadcast_val(a, target.val_labels, target)
+        vb = _broadcast_val(b, target.val_labels, target)
+        val = known(np.add(va, vb).astype(np.dtype(dtype)))
+        return SparseTensor(val, target, jnp.dtype(dtype)), adds
+    # A known block (see `_indexed._densified`) holds no term where it is zero.
+    if known_a and b.mask is not None:
+        a = SparseTensor(a.val, a.pattern, a.dtype, known(np.equal(a.val, 0)))
+    if known_b and a.mask is not None:
+        b = SparseTensor(b.val, b.pattern, b.dtype, known(np.equal(b.val, 0)))
     if a.val is None and b.val is None and not target.val_labels:
         return SparseTensor(jnp.asarray(2, dtype), target, jnp.dtype(dtype)), adds
     va = _broadcast_val(a, target.val_labels, target)

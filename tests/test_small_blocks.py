@@ -150,3 +150,73 @@ def test_dense_result_keeps_infinities(order):
     with np.errstate(divide="ignore"):
         want = np.diag(-1.0 / np.asarray(x) ** 2)
     np.testing.assert_array_equal(got, want)
+
+
+def _restacked(x):
+    # A state vector stacked and read back by index twice, with partials that are
+    # infinite or NaN at some rows (x ** 1.5 of a negative entry, 1/x at 0): a read
+    # entry comes from the stack exactly, never times the other entries' partials.
+    a, b, c = x[:, 0], x[:, 1], x[:, 2]
+    s = jnp.stack([c**1.5, jnp.abs(b + c), a], axis=1)
+    t = jnp.stack([s[:, 2] * s[:, 1], 1.0 / s[:, 0], s[:, 2]], axis=1)
+    return jnp.stack([jnp.maximum(t[:, 0], t[:, 2]), t[:, 1], jnp.sin(t[:, 2])], axis=1)
+
+
+def _singular_input():
+    return jnp.array(
+        [[0.0, -0.5, 2.0], [-0.5, 0.0, 2.0], [1.0, -1.0, -0.5], [0.0, 2.0, 0.0]],
+        jnp.float64,
+    )
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "min_fill", "auto"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_index_maps_of_a_batch_at_singular_points(spy, order, sparse):
+    from .test_nan import _check
+
+    x = _singular_input()
+    with np.errstate(all="ignore"):
+        fwd, rev = jax.jacfwd(_restacked)(x), jax.jacrev(_restacked)(x)
+        for fn in (gx.jacve, lambda f, **kw: jax.jit(gx.jacve(f, **kw))):
+            got = fn(_restacked, order=order, sparse_representation=sparse)(x)
+            got = got.dense() if sparse else got
+            _check(got, fwd, rev, order)
+    assert spy and all(spy)
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev"])
+def test_index_maps_of_a_batch_are_selections(order):
+    # Forward and reverse mode apply the index maps of a vectorised batch as
+    # selections: no matrix products with their blocks of zeros and ones, and no
+    # masks of their structural zeros.
+    def lorenz(x):
+        for _ in range(3):
+            u, v, w = x[:, 0], x[:, 1], x[:, 2]
+            dx = jnp.stack([10.0 * (v - u), u * (28.0 - w) - v, u * v - 2.5 * w], 1)
+            x = x + 0.01 * dx
+        return x
+
+    x = _input()
+    fn = gx.jacve(lorenz, order=order, sparse_representation=True)
+    jaxpr = jax.make_jaxpr(fn)(x).jaxpr
+    names = {eqn.primitive.name for eqn in jaxpr.eqns}
+    assert not names & {"dot_general", "and", "or", "not", "reduce_and"}, names
+    np.testing.assert_allclose(
+        np.asarray(fn(x).dense()), np.asarray(jax.jacfwd(lorenz)(x)), rtol=2e-5
+    )
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz", "min_fill", "auto"])
+def test_results_that_are_index_maps_hold_arrays(order):
+    # A Jacobian block that is an index map no elimination multiplies: its values
+    # come back as arrays, eagerly and under `jit`.
+    def swap(x):
+        return jnp.stack([x[:, 1], x[:, 0], jnp.sin(x[:, 2])], axis=1)
+
+    x = _input()
+    for fn in (gx.jacve, lambda f, **kw: jax.jit(gx.jacve(f, **kw))):
+        got = fn(swap, order=order, sparse_representation=True)(x)
+        assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(got))
+        np.testing.assert_allclose(
+            np.asarray(got.dense()), np.asarray(jax.jacfwd(swap)(x)), rtol=1e-6
+        )
