@@ -41,6 +41,7 @@ from ._sparse import (
     batched_dense,
     eager_compiled,
     full_mask,
+    is_known,
     known,
     make_pattern,
     vmapped_axes,
@@ -744,10 +745,14 @@ def mask_known_blocks(graph) -> None:
     holds no term is selected away, as on coordinates."""
     for u, row in graph.succ.items():
         for w, e in list(row.items()):
-            if isinstance(e, SparseTensor) and isinstance(e.val, np.ndarray):
-                mask = jnp.asarray(e.val == 0)
+            if isinstance(e, SparseTensor) and is_known(e.val):
+                mask = jnp.asarray(np.asarray(e.val) == 0)
                 graph.set(
-                    u, w, SparseTensor(jnp.asarray(e.val), e.pattern, e.dtype, mask)
+                    u,
+                    w,
+                    SparseTensor(
+                        jnp.asarray(np.asarray(e.val)), e.pattern, e.dtype, mask
+                    ),
                 )
 
 
@@ -756,11 +761,9 @@ def release_known_blocks(graph) -> None:
     no elimination multiplied) as arrays, as results are."""
     for u, row in graph.succ.items():
         for w, e in list(row.items()):
-            if isinstance(e, SparseTensor) and (
-                isinstance(e.val, np.ndarray) or isinstance(e.mask, np.ndarray)
-            ):
-                val = None if e.val is None else jnp.asarray(e.val)
-                mask = None if e.mask is None else jnp.asarray(e.mask)
+            if isinstance(e, SparseTensor) and (is_known(e.val) or is_known(e.mask)):
+                val = None if e.val is None else jnp.asarray(np.asarray(e.val))
+                mask = None if e.mask is None else jnp.asarray(np.asarray(e.mask))
                 graph.set(u, w, SparseTensor(val, e.pattern, e.dtype, mask))
 
 

@@ -700,8 +700,9 @@ def _broadcast_val(st: SparseTensor, target_val_labels: tuple[int, ...], target=
     mapping = _label_map(p, target)
     tsizes = target.sizes
     val = np.ones((), st.dtype) if st.val is None else st.val
-    if isinstance(val, np.ndarray):
-        return known(_broadcast_known(val, p, target, mapping, target_val_labels))
+    if is_known(val):
+        block = np.asarray(val)
+        return known(_broadcast_known(block, p, target, mapping, target_val_labels))
     # Each carried source label goes to the last target label on its axes: for a tie
     # being separated, its input axis. Either is exact; on sharded inputs this lets the
     # partitioner lay dense blocks out as `jax.jacrev`'s (input axes sharded).
@@ -725,11 +726,21 @@ def _broadcast_val(st: SparseTensor, target_val_labels: tuple[int, ...], target=
     return val
 
 
+class _Known(np.ndarray):
+    """A block known when the program is traced: an index map of a vectorised batch
+    (see `_indexed._densified`), or a product or sum of such blocks. Only these are
+    applied by selection (`_select_contraction`); other NumPy values are not."""
+
+
 def known(x: np.ndarray) -> Array:
-    """`x`, a block known when the program is traced (see `_indexed._densified`),
-    typed as the array it stands for: `lax` and `jnp` operations take it as one, and
-    `_select_contraction` reads it as NumPy."""
-    return cast(Array, x)
+    """`x` marked as a known block, typed as the array it stands for: `lax` and
+    `jnp` operations take it as one."""
+    return cast(Array, np.asarray(x).view(_Known))
+
+
+def is_known(x) -> bool:
+    """Whether `x` is a known block (see `known`)."""
+    return isinstance(x, _Known)
 
 
 def _broadcast_known(val: np.ndarray, p, target, mapping, target_val_labels):
@@ -1236,14 +1247,14 @@ def _product(
             masks.append(_compact_mask(x.mask, sub))
             owners.append(at)
     out_mask = None
-    is_known = [isinstance(x, np.ndarray) for x in operands]
-    if operands and all(is_known):
+    known_ops = [is_known(x) for x in operands]
+    if operands and all(known_ops):
         # Index maps of a vectorised batch (see `_indexed._densified`): composed
         # when the program is traced.
         val = np.einsum(f"{','.join(subs)}->{plan.out_sub}", *operands)
         val = known((val * plan.factor).astype(np.dtype(dtype)))
         return SparseTensor(val, plan.pattern, jnp.dtype(dtype)), plan.muls
-    if any(is_known) and len(operands) == 2:
+    if any(known_ops) and len(operands) == 2:
         val, out_mask = _select_contraction(operands, subs, masks, plan.out_sub, dtype)
         if plan.factor != 1:
             val = lax.mul(val, lax.full_like(val, plan.factor))
@@ -1288,8 +1299,8 @@ def _select_contraction(operands, subs, masks, out_sub: str, dtype):
     takes it to, as through coordinates. Returns the values and, where the traced
     block selects entries away, the mask of result entries all of whose terms are
     selected away (or that have none)."""
-    at = 0 if isinstance(operands[0], np.ndarray) else 1
-    block, sk = operands[at], subs[at]
+    at = 0 if is_known(operands[0]) else 1
+    block, sk = np.asarray(operands[at]), subs[at]
     other, so_ = operands[1 - at], subs[1 - at]
     sizes = dict(zip(sk, block.shape))
     sizes.update(zip(so_, other.shape))
@@ -1404,6 +1415,10 @@ def _select_away(val: Array, mask: Array | None) -> Array:
     return lax.select(mask, lax.full_like(val, 0), val)
 
 
+# A masked contraction over at most this many summed entries forms and selects its
+# terms one by one (see `_masked_contraction`).
+SMALL_CONTRACTION = 32
+
 # Values up to this many entries are checked for infinite entries at trace time (see
 # `_known_finite`); larger ones are taken as possibly infinite.
 _MAX_FINITE_CHECK = 1 << 24
@@ -1429,7 +1444,9 @@ def _masked_contraction(operands, subs, masks, owners, out_sub: str, dtype):
 
     A selection along summed letters is moved onto the other operand (its factor in
     those terms is set to zero too), so that the contraction stays one product. Where
-    it cannot be moved (it also varies along a letter the other operand lacks), the
+    it cannot be moved (it also varies along a letter the other operand lacks), every
+    term is formed and selected when the summed letters hold at most
+    `SMALL_CONTRACTION` entries (the blocks of a vectorised batch); beyond that the
     product is taken as it is: forming every term would cost a factor of the summed
     size, and the selected entries are zero already, which is exact unless the other
     factor is infinite there.
@@ -1446,6 +1463,18 @@ def _masked_contraction(operands, subs, masks, owners, out_sub: str, dtype):
         # Selected-away entries are zeros that nothing multiplies: sum as usual.
         return einsum1(operands[0], subs[0], out_sub), out_mask
     moved = list(operands)
+    stuck = any(
+        set(letters) & set(summed)
+        and not set(letters) <= set(subs[1 - owner])
+        and not _known_finite(moved[1 - owner])
+        for (_, letters), owner in zip(masks, owners, strict=True)
+    )
+    if stuck and math.prod(sizes[c] for c in summed) <= SMALL_CONTRACTION:
+        terms = _multiply_aligned(
+            [_cast(x, dtype) for x in operands], subs, every, sizes
+        )
+        terms = _select_away(terms, term_mask)
+        return _select_away(_sum_axes(terms, axes), out_mask), out_mask
     for (mask, letters), owner in zip(masks, owners, strict=True):
         if not set(letters) & set(summed):
             continue  # selected away on the result
@@ -1574,7 +1603,7 @@ def add(a: Partial, b: Partial) -> tuple[Partial, int]:
         )
         return out, adds
     a, b = to_sparse(a), to_sparse(b)
-    known_a, known_b = isinstance(a.val, np.ndarray), isinstance(b.val, np.ndarray)
+    known_a, known_b = is_known(a.val), is_known(b.val)
     if known_a and known_b:
         va = _broadcast_val(a, target.val_labels, target)
         vb = _broadcast_val(b, target.val_labels, target)
