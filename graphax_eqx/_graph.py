@@ -601,6 +601,7 @@ class EdgeGraph:
 
     def copy_with(self, fn) -> EdgeGraph:
         out = EdgeGraph()
+        out.densified = self.densified
         for v in self.succ:
             out.add_vertex(v)
         for u, row in self.succ.items():

@@ -511,6 +511,11 @@ def auto(sim: Simulator) -> list[int]:
     banded time steps, Markowitz on a training step whose loss reverse mode handles
     cheaply) is most of the time `auto` would take. The pick is the one full
     simulations of every candidate give.
+
+    On a vectorised batch of small blocks (`graphax_eqx._indexed.
+    densify_small_blocks`) only fwd and rev compete: they apply the batch's index
+    maps by selection, where other orders carry masks of every structural zero and
+    run 1.0–1.6× slower than the faster plain order there (benchmarks/NOTES.md).
     """
     plain_names = ("fwd", "rev")
     inter = list(sim.intermediates)
@@ -519,7 +524,8 @@ def auto(sim: Simulator) -> list[int]:
         "rev": _plain_steps(sim, inter[::-1]),
     }
     for name, steps in _HEURISTIC_STEPS.items():
-        runs[name] = steps(sim)
+        if not sim.densified:
+            runs[name] = steps(sim)
     rank = {name: k for k, name in enumerate(runs)}
     totals: dict[str, tuple[int, ...]] = dict.fromkeys(
         runs, (0,) * len(dataclasses.fields(Cost))

@@ -141,6 +141,9 @@ class Simulator:
         self.vertices: list[int] = sorted(graph.succ)
         self.index = {v: i for i, v in enumerate(self.vertices)}
         self.intermediates = tuple(intermediates)
+        # Whether the graph is a vectorised batch of dense blocks (see
+        # `graphax_eqx._indexed.densify_small_blocks`).
+        self.densified = graph.densified
         self._edges: list[SimEdge] = []
         self._ids: dict[SimEdge, int] = {}
         self._written: list[int] = []

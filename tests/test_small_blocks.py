@@ -247,3 +247,16 @@ def test_masked_products_of_small_blocks_at_singular_points(spy, order):
             )(x)
             _check(got.dense() if sparse else got, fwd, rev, order)
     assert spy and all(spy)
+
+
+@pytest.mark.parametrize("fun", [_flux, _sparse_per_row, _restacked])
+def test_auto_picks_a_plain_order_on_small_blocks(spy, fun):
+    # Only forward and reverse mode apply a batch's index maps by selection.
+    x = _input()
+    picked = gx.jacve(fun, count_ops=True)(x)[1]["order"]
+    plain = [
+        gx.jacve(fun, order=o, count_ops=True)(x)[1]["order"] for o in ("fwd", "rev")
+    ]
+    assert picked in plain
+    assert spy and all(spy)
+    assert tuple(gx.elimination_cost(fun)(x).order) == tuple(picked)
