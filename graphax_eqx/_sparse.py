@@ -1251,7 +1251,9 @@ def _product(
     if operands and all(known_ops):
         # Index maps of a vectorised batch (see `_indexed._densified`): composed
         # when the program is traced.
-        val = np.einsum(f"{','.join(subs)}->{plan.out_sub}", *operands)
+        # Small integers, exact in float64 (NumPy has no bfloat16 einsum).
+        wide = [np.asarray(x, np.float64) for x in operands]
+        val = np.einsum(f"{','.join(subs)}->{plan.out_sub}", *wide)
         val = known((val * plan.factor).astype(np.dtype(dtype)))
         return SparseTensor(val, plan.pattern, jnp.dtype(dtype)), plan.muls
     if any(known_ops) and len(operands) == 2:

@@ -260,3 +260,21 @@ def test_auto_picks_a_plain_order_on_small_blocks(spy, fun):
     assert picked in plain
     assert spy and all(spy)
     assert tuple(gx.elimination_cost(fun)(x).order) == tuple(picked)
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_index_maps_of_a_batch_in_half_precision(order, dtype):
+    # Index maps composed when the program is traced, in a dtype NumPy's einsum
+    # does not take.
+    def fun(x):
+        s = jnp.stack([x[:, 2], x[:, 0] * x[:, 1], x[:, 0]], axis=1)
+        return jnp.stack([s[:, 2], jnp.sin(s[:, 0]) * s[:, 1]], axis=1)
+
+    x = _input(dtype)
+    got = gx.jacve(fun, order=order)(x)
+    assert got.dtype == dtype
+    want = jax.jacrev(fun)(x.astype(jnp.float32))
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2
+    )
