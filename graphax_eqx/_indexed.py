@@ -732,9 +732,11 @@ def _densified(e: CooTensor) -> SparseTensor:
     return to_labeled(e)
 
 
-def mask_known_blocks(graph) -> None:
-    """Give the index maps `_densified` stores as known blocks their structural
-    zeros as a mask, for orders other than forward and reverse mode.
+def settle_known_blocks(graph, masked: bool) -> None:
+    """Store the blocks `_densified` keeps known when the program is traced as
+    arrays: before an order other than forward and reverse mode is eliminated
+    (`masked`, with their structural zeros as a mask), and after every elimination
+    (those no product consumed), as results are.
 
     Eliminated in forward (reverse) order, every product is a partial times an
     accumulated tangent (cotangent) block, as in `jax.jacfwd` (`jax.jacrev`): a block
@@ -745,26 +747,16 @@ def mask_known_blocks(graph) -> None:
     holds no term is selected away, as on coordinates."""
     for u, row in graph.succ.items():
         for w, e in list(row.items()):
-            if isinstance(e, SparseTensor) and is_known(e.val):
-                mask = jnp.asarray(np.asarray(e.val) == 0)
-                graph.set(
-                    u,
-                    w,
-                    SparseTensor(
-                        jnp.asarray(np.asarray(e.val)), e.pattern, e.dtype, mask
-                    ),
-                )
-
-
-def release_known_blocks(graph) -> None:
-    """Store the blocks still known when the program is traced (an index map that
-    no elimination multiplied) as arrays, as results are."""
-    for u, row in graph.succ.items():
-        for w, e in list(row.items()):
-            if isinstance(e, SparseTensor) and (is_known(e.val) or is_known(e.mask)):
-                val = None if e.val is None else jnp.asarray(np.asarray(e.val))
-                mask = None if e.mask is None else jnp.asarray(np.asarray(e.mask))
-                graph.set(u, w, SparseTensor(val, e.pattern, e.dtype, mask))
+            if not isinstance(e, SparseTensor):
+                continue
+            if not (is_known(e.val) or is_known(e.mask)):
+                continue
+            mask = e.mask
+            if masked and is_known(e.val):
+                mask = np.asarray(e.val) == 0
+            val = None if e.val is None else jnp.asarray(np.asarray(e.val))
+            mask = None if mask is None else jnp.asarray(np.asarray(mask))
+            graph.set(u, w, SparseTensor(val, e.pattern, e.dtype, mask))
 
 
 def restore_exact(graph) -> None:

@@ -39,10 +39,9 @@ from ._graph import (
 from ._indexed import (
     CooPattern,
     CooTensor,
-    mask_known_blocks,
     plain_tensor,
-    release_known_blocks,
     restore_exact,
+    settle_known_blocks,
     sums_as_gathers,
 )
 from ._orders import graph_fingerprint, normalise_order, resolve
@@ -504,11 +503,11 @@ def _eliminate(prep: _Prepared, order_spec, known: frozenset[int] = frozenset())
     if graph.densified:
         inter = list(structure.intermediates)
         if list(order) != inter and list(order) != inter[::-1]:
-            mask_known_blocks(graph)
+            settle_known_blocks(graph, masked=True)
     with sums_as_gathers():
         muls, adds, per_vertex = run_order(graph, order, real_product, real_add)
     if graph.densified:
-        release_known_blocks(graph)
+        settle_known_blocks(graph, masked=False)
     if graph.exact:
         restore_exact(graph)
     counts = {
