@@ -701,8 +701,11 @@ def _broadcast_val(st: SparseTensor, target_val_labels: tuple[int, ...], target=
     tsizes = target.sizes
     val = np.ones((), st.dtype) if st.val is None else st.val
     if is_known(val):
-        block = np.asarray(val)
-        return known(_broadcast_known(block, p, target, mapping, target_val_labels))
+        # The same layout of a block known now, computed now (see `known`).
+        plain = SparseTensor(cast(Array, np.asarray(val)), p, st.dtype)
+        with jax.ensure_compile_time_eval():
+            out = _broadcast_val(plain, target_val_labels, target)
+        return known(np.asarray(out))
     # Each carried source label goes to the last target label on its axes: for a tie
     # being separated, its input axis. Either is exact; on sharded inputs this lets the
     # partitioner lay dense blocks out as `jax.jacrev`'s (input axes sharded).
@@ -741,32 +744,6 @@ def known(x: np.ndarray) -> Array:
 def is_known(x) -> bool:
     """Whether `x` is a known block (see `known`)."""
     return isinstance(x, _Known)
-
-
-def _broadcast_known(val: np.ndarray, p, target, mapping, target_val_labels):
-    """`_broadcast_val` for values known when the program is traced (see
-    `_indexed._densified`): the same layout, computed with NumPy."""
-    primary = [mapping[label][-1] for label in p.val_labels]
-    order = sorted(
-        range(len(primary)), key=lambda i: target_val_labels.index(primary[i])
-    )
-    val = np.transpose(val, order)
-    full_shape = tuple(target.sizes[t] for t in target_val_labels)
-    positions = sorted(target_val_labels.index(t) for t in primary)
-    expanded = [1] * len(full_shape)
-    for k, at in enumerate(positions):
-        expanded[at] = val.shape[k]
-    val = np.broadcast_to(val.reshape(expanded), full_shape)
-    for ts in mapping.values():
-        if len(ts) == 2:
-            i1, i2 = (target_val_labels.index(t) for t in ts)
-            eye = np.expand_dims(
-                np.arange(full_shape[i1]), tuple(range(1, len(full_shape) - i1))
-            ) == np.expand_dims(
-                np.arange(full_shape[i2]), tuple(range(1, len(full_shape) - i2))
-            )
-            val = np.where(eye, val, np.zeros((), val.dtype))
-    return np.array(val)
 
 
 def refine(st: SparseTensor, target: Pattern) -> SparseTensor:
