@@ -163,14 +163,24 @@ def _meets_no_values(graph: EdgeGraph, u: int) -> bool:
     return u < 0 or all(p < 0 and _value_free(e) for p, e in graph.pred[u].items())
 
 
-def eliminate_vertex(graph: EdgeGraph, v: int, mul: Mul, plus: Mul) -> tuple[int, int]:
-    """Eliminate `v` in place; returns (multiplications, additions)."""
+Prepare = Callable[[dict, dict], None]
+
+
+def eliminate_vertex(
+    graph: EdgeGraph, v: int, mul: Mul, plus: Mul, prepare: Prepare | None = None
+) -> tuple[int, int]:
+    """Eliminate `v` in place; returns (multiplications, additions).
+
+    `prepare(ins, outs)`, if given, may replace `v`'s in- and out-edges (keyed by
+    the vertex at their other end) before they are multiplied."""
     ins = graph.pred.pop(v)
     outs = graph.succ.pop(v)
     for u in ins:
         del graph.succ[u][v]
     for w in outs:
         del graph.pred[w][v]
+    if prepare is not None:
+        prepare(ins, outs)
     muls = adds = 0
     for u, e_uv in ins.items():
         # An edge from `u` to an output (no successors) is never multiplied again
@@ -191,13 +201,17 @@ def eliminate_vertex(graph: EdgeGraph, v: int, mul: Mul, plus: Mul) -> tuple[int
 
 
 def run_order(
-    graph: EdgeGraph, order: Sequence[int], mul: Mul, plus: Mul
+    graph: EdgeGraph,
+    order: Sequence[int],
+    mul: Mul,
+    plus: Mul,
+    prepare: Prepare | None = None,
 ) -> tuple[int, int, list[int]]:
     """Eliminate `order` in place; returns (muls, adds, muls per vertex)."""
     muls = adds = 0
     per_vertex = []
     for v in order:
-        m, a = eliminate_vertex(graph, v, mul, plus)
+        m, a = eliminate_vertex(graph, v, mul, plus, prepare)
         muls += m
         adds += a
         per_vertex.append(m)

@@ -692,18 +692,38 @@ def densify_small_blocks(graph, structure) -> bool:
     for i in sorted(state.remaining):
         sim.eliminate(state, i)
     exact = {}
+    ins: dict[int, int] = {}
+    outs: dict[int, int] = {}
     for iu, row in enumerate(state.succ):
         for iw, k in row.items():
             pattern = sim.edge(k).pattern
+            u, w = sim.vertices[iu], sim.vertices[iw]
             if isinstance(pattern, CooPattern):
-                exact[sim.vertices[iu], sim.vertices[iw]] = pattern
+                exact[u, w] = pattern
+            out_free, in_free = _free_sizes(pattern)
+            ins[u] = max(ins.get(u, 0), in_free)
+            outs[w] = max(outs.get(w, 0), out_free)
     for u, row in graph.succ.items():
         for w, e in list(row.items()):
             if isinstance(e, CooTensor):
                 graph.set(u, w, _densified(e))
     graph.exact = exact
     graph.densified = True
+    graph.block_sizes = (sum(ins.values()), sum(outs.values()))
     return True
+
+
+def _free_sizes(pattern) -> tuple[int, int]:
+    """(output, input) entries per tie of a partial's pattern."""
+    if isinstance(pattern, CooPattern):
+        return pattern.n_out_free, pattern.n_in_free
+    counts = collections.Counter(pattern.labels)
+    n_out = len(pattern.out_shape)
+    out_labels, in_labels = pattern.labels[:n_out], pattern.labels[n_out:]
+    return tuple(  # pyright: ignore
+        math.prod(pattern.sizes[a] for a in side if counts[a] == 1)
+        for side in (out_labels, in_labels)
+    )
 
 
 def _densified(e: CooTensor) -> SparseTensor:

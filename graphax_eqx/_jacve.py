@@ -46,7 +46,7 @@ from ._indexed import (
 )
 from ._orders import graph_fingerprint, normalise_order, resolve
 from ._rules._base import Same
-from ._sparse import LinearMap, SparseTensor, to_sparse
+from ._sparse import LinearMap, SparseTensor, compute_selected_once, to_sparse
 
 
 #
@@ -500,12 +500,17 @@ def _eliminate(prep: _Prepared, order_spec, known: frozenset[int] = frozenset())
         )
         if key is not None:
             _remember(orders, key, order, _MAX_ORDERS)
+    prepare = None
     if graph.densified:
         inter = list(structure.intermediates)
         if list(order) != inter and list(order) != inter[::-1]:
             settle_known_blocks(graph, masked=True)
+        else:
+            prepare = compute_selected_once
     with sums_as_gathers():
-        muls, adds, per_vertex = run_order(graph, order, real_product, real_add)
+        muls, adds, per_vertex = run_order(
+            graph, order, real_product, real_add, prepare
+        )
     if graph.densified:
         settle_known_blocks(graph, masked=False)
     if graph.exact:

@@ -481,6 +481,30 @@ TIME_WEIGHTS = {
 AUTO_MARGIN = 0.15
 
 
+# On a vectorised batch of small blocks (`graphax_eqx._indexed.densify_small_blocks`),
+# XLA CPU fuses most of an elimination into the kernel that writes the Jacobian and
+# computes each of its entries apart. An entry of forward mode's result computes
+# the tangents of its input component (1 / n_in of the products), an entry of
+# reverse mode's the cotangents of its output component (1 / n_out), and there are
+# n_in * n_out entries per batch entry: forward mode costs its products times n_out,
+# reverse mode its products times n_in. Reverse mode is picked only when that
+# predicts it `BATCHED_REV_MARGIN` cheaper. On the twelve hand-batched programs
+# measured (the scalar tasks, Lorenz, a pendulum, RK4 integrators and an SIR model;
+# `benchmarks/NOTES.md`), this picks the faster mode wherever the two differ by more
+# than 10%; counted by products alone, `auto` took reverse mode on seven of them,
+# which forward mode runs 1.3-2.4x faster. Where the two predictions are within a
+# few percent (RK4 integrators, SIR), forward mode measured 1.6-2.4x faster.
+BATCHED_REV_MARGIN = 0.05
+
+
+def plain_weights(sim: Simulator) -> dict[str, float]:
+    """The factors `auto` scales the predicted times of fwd and rev by."""
+    if sim.block_sizes is None:
+        return {"fwd": 1.0, "rev": 1.0}
+    n_in, n_out = sim.block_sizes
+    return {"fwd": float(n_out), "rev": n_in / (1.0 - BATCHED_REV_MARGIN)}
+
+
 def predicted_time(cost) -> float:
     """The run-time model's estimate for a [`graphax_eqx._simulator.Cost`][]."""
     w = TIME_WEIGHTS
@@ -516,6 +540,8 @@ def auto(sim: Simulator) -> list[int]:
     densify_small_blocks`) only fwd and rev compete: they apply the batch's index
     maps by selection, where other orders carry masks of every structural zero and
     run 1.0–1.6× slower than the faster plain order there (benchmarks/NOTES.md).
+    Their predicted times are scaled as XLA computes such Jacobians
+    (`plain_weights`).
     """
     plain_names = ("fwd", "rev")
     inter = list(sim.intermediates)
@@ -534,10 +560,11 @@ def auto(sim: Simulator) -> list[int]:
     done: dict[str, tuple[float, int]] = {}
     alive = set(runs)
     keep = 1.0 - AUTO_MARGIN
+    weights = plain_weights(sim)
 
     def key(name: str) -> tuple[float, int]:
         c = Cost(*totals[name])
-        return predicted_time(c), c.adds + c.traffic
+        return predicted_time(c) * weights.get(name, 1.0), c.adds + c.traffic
 
     def pace(name: str) -> tuple[float, int]:
         time = key(name)[0]

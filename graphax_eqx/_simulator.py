@@ -144,6 +144,7 @@ class Simulator:
         # Whether the graph is a vectorised batch of dense blocks (see
         # `graphax_eqx._indexed.densify_small_blocks`).
         self.densified = graph.densified
+        self.block_sizes = graph.block_sizes
         self._edges: list[SimEdge] = []
         self._ids: dict[SimEdge, int] = {}
         self._written: list[int] = []

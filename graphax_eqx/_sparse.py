@@ -746,6 +746,37 @@ def is_known(x) -> bool:
     return isinstance(x, _Known)
 
 
+def _selects(e) -> bool:
+    return isinstance(e, SparseTensor) and is_known(e.val)
+
+
+def _traced_block(e) -> bool:
+    return (
+        isinstance(e, SparseTensor)
+        and e.val is not None
+        and not is_known(e.val)
+        and not isinstance(e.val, np.ndarray)
+    )
+
+
+def compute_selected_once(ins: dict, outs: dict) -> None:
+    """Before a vertex is eliminated: every traced block (an accumulated tangent or
+    cotangent) that two or more known blocks select from is computed once (see
+    `_jax_private.compute_once`). Such a block is a state vector's derivative read
+    back component by component (`x[:, i]` of a stacked `(B, n)` state, step after
+    step). Its selections are cheap slices, so XLA CPU fuses the block's whole
+    computation into each of them: one more copy per component, compounding over
+    the steps of an integrator (two RK4 steps of a double pendulum ran 20x slower
+    in forward mode and 3x slower in reverse mode than with the block written
+    once). Updates `ins` and `outs` in place."""
+    for near, far in ((ins, outs), (outs, ins)):
+        if sum(_selects(e) for e in far.values()) < 2:
+            continue
+        for k, e in near.items():
+            if _traced_block(e):
+                near[k] = dataclasses.replace(e, val=jp.compute_once(e.val))
+
+
 def refine(st: SparseTensor, target: Pattern) -> SparseTensor:
     """Rewrite `st` in `target`, a pattern with fewer ties / more carried labels."""
     if st.pattern == target and st.val is not None:

@@ -214,3 +214,15 @@ def test_models_script(capsys):
     assert linear[0] == "| Linear 64 → 64" and linear[-1] == "rev |"
     # `jax.jacrev` cannot differentiate that solve (a `while_loop`).
     assert lorenz[5] == "–"
+
+
+def test_batched_script(capsys):
+    from benchmarks import batched
+
+    batched.main(["--quick", "--batch", "8", "--only", "SIR,RobotArm"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 3, out  # the header and two programs
+    robot, sir = rows[1].split(" | "), rows[2].split(" | ")
+    assert robot[0] == "| RobotArm_6DOF" and robot[-1] == "rev |"
+    assert sir[0] == "| SIR, 5 Euler steps" and sir[-1] == "fwd |"

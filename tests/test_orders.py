@@ -416,18 +416,28 @@ def test_auto_weighs_gathered_pairs_against_convolutions():
 
 def _auto_by_full_costs(sim):
     """`auto`'s rule with every candidate simulated to the end."""
-    from graphax_eqx._orders import HEURISTICS, candidates, predicted_time
+    from graphax_eqx._orders import (
+        HEURISTICS,
+        candidates,
+        plain_weights,
+        predicted_time,
+    )
 
-    def key(order):
+    weights = plain_weights(sim)
+
+    def key(order, name):
         c = sim.cost(order)
-        return (predicted_time(c), c.adds + c.traffic)
+        return (predicted_time(c) * weights.get(name, 1.0), c.adds + c.traffic)
 
     named = candidates(sim)
-    plain = min(("fwd", "rev"), key=lambda name: key(named[name]))
-    best_key, best = key(named[plain]), named[plain]
+    plain = min(("fwd", "rev"), key=lambda name: key(named[name], name))
+    plain_key = key(named[plain], plain)
+    best_key, best = plain_key, named[plain]
     for name in HEURISTICS:
-        k = key(named[name])
-        if k[0] <= (1 - AUTO_MARGIN) * key(named[plain])[0] and k < best_key:
+        if sim.densified:
+            break
+        k = key(named[name], name)
+        if k[0] <= (1 - AUTO_MARGIN) * plain_key[0] and k < best_key:
             best_key, best = k, named[name]
     return best
 
