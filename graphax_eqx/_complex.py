@@ -265,6 +265,7 @@ _SUM_SCALES = {
     lax.reduce_precision_p: (1,),
     lax.copy_p: (1,),
     jp.compute_once_p: (1,),
+    jp.write_apart_p: (1,),
 }
 
 

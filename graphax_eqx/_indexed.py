@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import sparse as jsparse
 from jaxtyping import Array
 
+from . import _jax_private as jp
 from ._sparse import (
     BlockShape,
     Pattern,
@@ -786,6 +787,10 @@ def restore_exact(graph) -> None:
         block = graph.succ[u].get(w)
         if not isinstance(block, SparseTensor):
             continue
+        if block.val is not None and pattern.nnz < block.pattern.val_size:
+            # Written apart first: fused with the gather below, the elimination
+            # would be evaluated entry by entry (see `_jax_private.write_apart`).
+            block = dataclasses.replace(block, val=jp.write_apart(block.val))
         full = to_coo(block)
         p = full.pattern
         if p.ties != pattern.ties or p.shape != pattern.shape:

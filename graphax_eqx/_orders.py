@@ -482,19 +482,20 @@ AUTO_MARGIN = 0.15
 
 
 # On a vectorised batch of small blocks (`graphax_eqx._indexed.densify_small_blocks`),
-# XLA CPU fuses most of an elimination into the kernel that writes the Jacobian and
-# computes each of its entries apart. An entry of forward mode's result computes
-# the tangents of its input component (1 / n_in of the products), an entry of
-# reverse mode's the cotangents of its output component (1 / n_out), and there are
-# n_in * n_out entries per batch entry: forward mode costs its products times n_out,
-# reverse mode its products times n_in. Reverse mode is picked only when that
-# predicts it `BATCHED_REV_MARGIN` cheaper. On the twelve hand-batched programs
-# measured (the scalar tasks, Lorenz, a pendulum, RK4 integrators and an SIR model;
-# `benchmarks/NOTES.md`), this picks the faster mode wherever the two differ by more
-# than 10%; counted by products alone, `auto` took reverse mode on seven of them,
-# which forward mode runs 1.3-2.4x faster. Where the two predictions are within a
-# few percent (RK4 integrators, SIR), forward mode measured 1.6-2.4x faster.
-BATCHED_REV_MARGIN = 0.05
+# XLA CPU fuses most of an elimination into the kernels that write the Jacobian's
+# blocks and computes each of their entries apart. An entry of forward mode's result
+# computes the tangents of its input component (1 / n_in of the products), an entry
+# of reverse mode's the cotangents of its output component (1 / n_out), and there
+# are n_in * n_out entries per batch entry: forward mode costs its products times
+# n_out, reverse mode its products times n_in. Even so, reverse mode ran 1.2-2.1x
+# slower than forward mode on ten of the eleven programs of `python -m
+# benchmarks.batched` (the robot arm's, predicted 9% cheaper, 1.8x slower), so it is
+# picked only when predicted `BATCHED_REV_MARGIN` cheaper; by products alone, `auto`
+# took it on eight of the eleven. The eleventh, a double pendulum's right-hand side,
+# ran reverse mode 1.3x faster, which no count foresees. Functions of 12 to 24
+# columns summed into one or two outputs, where the scaled predictions tie, ran both
+# modes within noise of each other (`benchmarks/NOTES.md`).
+BATCHED_REV_MARGIN = 0.25
 
 
 def plain_weights(sim: Simulator) -> dict[str, float]:

@@ -224,5 +224,5 @@ def test_batched_script(capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert len(rows) == 3, out  # the header and two programs
     robot, sir = rows[1].split(" | "), rows[2].split(" | ")
-    assert robot[0] == "| RobotArm_6DOF" and robot[-1] == "rev |"
+    assert robot[0] == "| RobotArm_6DOF" and robot[-1] == "fwd |"
     assert sir[0] == "| SIR, 5 Euler steps" and sir[-1] == "fwd |"

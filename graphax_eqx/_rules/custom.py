@@ -123,6 +123,7 @@ _LINEAR = {
     lax.neg_p,
     lax.copy_p,
     jp.compute_once_p,
+    jp.write_apart_p,
 }
 _MIN_MANTISSA_BITS = 7  # bfloat16's, not counting the implicit one
 # Nonlinear in any operand the seed reaches: they pick, order or multiply entries by
@@ -205,6 +206,7 @@ _KEEP_ZERO = {
     lax.gather_p,
     lax.copy_p,
     jp.compute_once_p,
+    jp.write_apart_p,
     lax.convert_element_type_p,
     lax.reduce_precision_p,
     lax.neg_p,

@@ -386,6 +386,7 @@ for _prim, _scales in [
     (lax.reduce_precision_p, (None,)),
     (lax.copy_p, (None,)),
     (jp.compute_once_p, (None,)),
+    (jp.write_apart_p, (None,)),
 ]:
     if _prim is not None:
         register(_prim)(_linear_rule(_prim, _scales))
