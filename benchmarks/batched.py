@@ -35,7 +35,7 @@ import numpy as np
 import graphax_eqx as gx
 
 from . import tasks
-from .models import _time_programs
+from .models import _time_programs, select
 
 
 try:
@@ -246,8 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--only", default="")
     args = parser.parse_args(argv)
-    words = [w.strip() for w in args.only.split(",") if w.strip()]
-    selected = [p for p in programs() if not words or any(w in p.name for w in words)]
+    selected = select(programs(), args.only)
     start = time.perf_counter()
     print(HEADER)
     run(selected, args.batch, 3 if args.quick else 21)

@@ -234,13 +234,19 @@ def run(selected: Sequence[Program], repetitions: int) -> list[str]:
     return rows
 
 
+def select(candidates: Sequence[Any], only: str) -> list[Any]:
+    """The programs whose name contains one of the comma-separated words of `only`
+    (all of them where it names none)."""
+    words = [w.strip() for w in only.split(",") if w.strip()]
+    return [p for p in candidates if not words or any(w in p.name for w in words)]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", default="")
     args = parser.parse_args(argv)
-    words = [w.strip() for w in args.only.split(",") if w.strip()]
-    selected = [p for p in programs() if not words or any(w in p.name for w in words)]
+    selected = select(programs(), args.only)
     start = time.perf_counter()
     print(HEADER)
     run(selected, 3 if args.quick else 21)

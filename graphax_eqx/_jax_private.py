@@ -791,15 +791,23 @@ def stale_closure(params: dict, num_tangents: int) -> bool:
 # included, but for subnormal `x`, which XLA CPU's arithmetic flushes to zero (a sine
 # or tangent is subnormal only where its argument is). Elsewhere, and in eager calls,
 # it is `x` itself. Its derivative passes tangents through untouched.
-compute_once_p = jex_core.Primitive("compute_once")
-compute_once_p.def_impl(lambda x: x)
-compute_once_p.def_abstract_eval(lambda aval: aval)
-_ad.primitive_jvps[compute_once_p] = lambda primals, tangents: (
-    compute_once_p.bind(*primals),
-    tangents[0],
-)
-_batching.defvectorized(compute_once_p)
-_mlir.register_lowering(compute_once_p, lambda ctx, x: [x])
+def _identity_primitive(name: str) -> jex_core.Primitive:
+    """A primitive that is `x` itself, in eager calls and lowered anywhere but where
+    a platform lowering is registered for it; its derivative passes tangents through
+    untouched, and under `vmap` it takes the batched value whole."""
+    prim = jex_core.Primitive(name)
+    prim.def_impl(lambda x: x)
+    prim.def_abstract_eval(lambda aval: aval)
+    _ad.primitive_jvps[prim] = lambda primals, tangents: (
+        prim.bind(*primals),
+        tangents[0],
+    )
+    _batching.defvectorized(prim)
+    _mlir.register_lowering(prim, lambda ctx, x: [x])
+    return prim
+
+
+compute_once_p = _identity_primitive("compute_once")
 
 
 def _divide_by_one(x):
@@ -833,17 +841,9 @@ def compute_once(x):
 # computes the operands of a conditional before it, into memory. The predicate (the
 # value's first entry is NaN) is not known to the compiler; where it holds, that
 # entry is written as a NaN again (its sign and payload are not kept). Elsewhere,
-# and in eager calls, it is `x` itself; its derivative passes tangents through
-# untouched. Under `vmap` the value is batched whole, one `cond` for all of it.
-write_apart_p = jex_core.Primitive("write_apart")
-write_apart_p.def_impl(lambda x: x)
-write_apart_p.def_abstract_eval(lambda aval: aval)
-_ad.primitive_jvps[write_apart_p] = lambda primals, tangents: (
-    write_apart_p.bind(*primals),
-    tangents[0],
-)
-_batching.defvectorized(write_apart_p)
-_mlir.register_lowering(write_apart_p, lambda ctx, x: [x])
+# and in eager calls, it is `x` itself; under `vmap`, one `cond` takes the batched
+# value whole.
+write_apart_p = _identity_primitive("write_apart")
 
 
 def _through_cond(x):

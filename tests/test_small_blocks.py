@@ -282,27 +282,6 @@ def test_index_maps_of_a_batch_in_half_precision(order, dtype):
     )
 
 
-def _pendulum_rk4(x):
-    # Two RK4 steps of a double pendulum on a batch of states: the state is stacked
-    # and read back by component at every stage.
-    def rhs(s):
-        th1, th2, w1, w2 = s[:, 0], s[:, 1], s[:, 2], s[:, 3]
-        d = th1 - th2
-        den = 2.0 - jnp.cos(2.0 * d)
-        a1 = -(3.0 * jnp.sin(th1) + jnp.sin(d) * (w2**2 + w1**2 * jnp.cos(d))) / den
-        a2 = 2.0 * jnp.sin(d) * (2.0 * w1**2 + jnp.cos(th1) + w2**2 * jnp.cos(d)) / den
-        return jnp.stack([w1, w2, a1, a2], axis=1)
-
-    h = 0.01
-    for _ in range(2):
-        k1 = rhs(x)
-        k2 = rhs(x + h / 2 * k1)
-        k3 = rhs(x + h / 2 * k2)
-        k4 = rhs(x + h * k3)
-        x = x + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
-    return x
-
-
 def _multiplies(fn, x) -> int:
     return jax.jit(fn).lower(x).compile().as_text().count(" multiply(")
 
@@ -316,9 +295,11 @@ def test_state_derivatives_are_computed_once(order, jax_mode):
     # rather than inside each component's kernel: XLA CPU duplicated it into every
     # reader, stage after stage (forward mode compiled to 4,527 multiplications,
     # 8x `jax.jacfwd`'s, and ran 20x slower at B = 4,096).
+    from benchmarks.batched import pendulum_rk4
+
     x = jnp.asarray(np.random.default_rng(5).uniform(-1, 1, (B, 4)), jnp.float32)
-    fn = gx.jacve(_pendulum_rk4, order=order, sparse_representation=True)
-    per_example = jax.vmap(jax_mode(lambda s: _pendulum_rk4(s[None])[0]))
+    fn = gx.jacve(pendulum_rk4, order=order, sparse_representation=True)
+    per_example = jax.vmap(jax_mode(lambda s: pendulum_rk4(s[None])[0]))
     assert _multiplies(lambda x: fn(x).val, x) <= 2 * _multiplies(per_example, x)
     np.testing.assert_allclose(
         np.einsum("bibj->bij", np.asarray(fn(x).dense())),
