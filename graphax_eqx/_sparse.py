@@ -751,10 +751,10 @@ def _selects(e) -> bool:
 
 
 def _traced_block(e) -> bool:
+    # Known blocks, and other NumPy values, are not computed by the program.
     return (
         isinstance(e, SparseTensor)
         and e.val is not None
-        and not is_known(e.val)
         and not isinstance(e.val, np.ndarray)
     )
 
