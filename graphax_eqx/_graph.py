@@ -588,10 +588,14 @@ class EdgeGraph:
         self.pred: dict[int, dict[int, Any]] = {}
         # Exact patterns of result blocks computed densely (`densify_small_blocks`).
         self.exact: dict[tuple[int, int], Any] = {}
-        # Whether `densify_small_blocks` stored the partials as dense blocks, and
-        # then the entries per batch entry of all inputs and of all outputs.
-        self.densified = False
+        # Where `densify_small_blocks` stored the partials as dense blocks: the
+        # entries per batch entry of all inputs and of all outputs.
         self.block_sizes: tuple[int, int] | None = None
+
+    @property
+    def densified(self) -> bool:
+        """Whether `densify_small_blocks` stored the partials as dense blocks."""
+        return self.block_sizes is not None
 
     def add_vertex(self, v: int):
         self.succ.setdefault(v, {})
@@ -603,7 +607,6 @@ class EdgeGraph:
 
     def copy_with(self, fn) -> EdgeGraph:
         out = EdgeGraph()
-        out.densified = self.densified
         out.block_sizes = self.block_sizes
         for v in self.succ:
             out.add_vertex(v)

@@ -709,7 +709,6 @@ def densify_small_blocks(graph, structure) -> bool:
             if isinstance(e, CooTensor):
                 graph.set(u, w, _densified(e))
     graph.exact = exact
-    graph.densified = True
     graph.block_sizes = (sum(ins.values()), sum(outs.values()))
     return True
 

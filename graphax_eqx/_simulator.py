@@ -141,9 +141,9 @@ class Simulator:
         self.vertices: list[int] = sorted(graph.succ)
         self.index = {v: i for i, v in enumerate(self.vertices)}
         self.intermediates = tuple(intermediates)
-        # Whether the graph is a vectorised batch of dense blocks (see
-        # `graphax_eqx._indexed.densify_small_blocks`).
-        self.densified = graph.densified
+        # Where the graph is a vectorised batch of dense blocks (see
+        # `graphax_eqx._indexed.densify_small_blocks`), the entries per batch entry
+        # of all inputs and of all outputs.
         self.block_sizes = graph.block_sizes
         self._edges: list[SimEdge] = []
         self._ids: dict[SimEdge, int] = {}
@@ -169,6 +169,11 @@ class Simulator:
                 succ[iu][iw] = k
                 pred[iw][iu] = k
         self._initial = State(pred, succ, {self.index[v] for v in self.intermediates})
+
+    @property
+    def densified(self) -> bool:
+        """Whether the graph is a vectorised batch of dense blocks."""
+        return self.block_sizes is not None
 
     # -- interning ---------------------------------------------------------------
 
