@@ -1550,6 +1550,11 @@ def _emit_terms(terms: tuple[tuple[Array, np.ndarray], ...]) -> Array:
     return total
 
 
+def _reads_twice(at: np.ndarray, n: int) -> bool:
+    """Whether gathering `at` from `n` entries reads some entry more than once."""
+    return len(at) > n or len(np.unique(at)) < len(at)
+
+
 def coo_product(a, b, plan: CooProductPlan, dtype):
     """`A · B` entry by entry. An operand may be a `CooTensor`, or a `BandTensor`
     whose entries are then read straight off its diagonals: one gather of the entries
@@ -1580,6 +1585,12 @@ def coo_product(a, b, plan: CooProductPlan, dtype):
             parts = [untie.compact(part) for part in parts]
             at = untie.index(idx)
         aligned = []
+        if not isinstance(parts[0], np.ndarray) and _reads_twice(
+            at, parts[0].shape[-1]
+        ):
+            # Written to memory first: fused into the gather, its computation would
+            # be repeated for every read (see `_jax_private.write_apart`).
+            parts[0] = jp.write_apart(parts[0])
         for part in parts:
             part = _take_last(part, at)
             if perm is not None:
