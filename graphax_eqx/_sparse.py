@@ -1336,18 +1336,27 @@ def _select_contraction(operands, subs, masks, out_sub: str, dtype):
     block = np.transpose(
         block, [sk.index(c) for c in contract] + [sk.index(c) for c in rest_k]
     ).reshape((count,) + tuple(sizes[c] for c in rest_k))
-    perm = [so_.index(c) for c in contract] + [so_.index(c) for c in rest_o]
-    rest_shape = tuple(sizes[c] for c in rest_o)
-    other = lax.reshape(_transpose(other, perm), (count,) + rest_shape)
-    if mask is not None:
-        mask = lax.reshape(_transpose(mask, perm), (count,) + rest_shape)
+    # The traced block's pieces are sliced where they lie, never transposed: a
+    # transposed view of a block written to memory, read next to the block itself
+    # by a kernel that XLA CPU lets write its result over the block, was read after
+    # being overwritten (3 Euler steps of Lorenz-96 on a batch, forward mode).
+    axes = [so_.index(c) for c in contract]
+    starts = [(k,) for k in range(count)]
+    if len(contract) != 1:
+        starts = list(np.ndindex(*(sizes[c] for c in contract)))
+
+    def piece_of(x, at):
+        for axis, i in sorted(zip(axes, at), reverse=True):
+            x = lax.index_in_dim(x, int(i), axis, keepdims=False)
+        return x
+
     shape = tuple(sizes[c] for c in out_sub)
     out = out_mask = None
     for k in range(count):
         coefficient = block[k]
         if not coefficient.any():
             continue
-        piece = lax.index_in_dim(other, k, 0, keepdims=False)
+        piece = piece_of(other, starts[k])
         term = _multiply_aligned([_cast(piece, dtype)], [rest_o], out_sub, sizes)
         if not (coefficient == 1).all():
             if not ((coefficient == 0) | (coefficient == 1)).all():
@@ -1363,7 +1372,7 @@ def _select_contraction(operands, subs, masks, out_sub: str, dtype):
         out = term if out is None else lax.add(out, term)
         if mask is not None:
             dead = _multiply_aligned(
-                [lax.index_in_dim(mask, k, 0, keepdims=False)], [rest_o], out_sub, sizes
+                [piece_of(mask, starts[k])], [rest_o], out_sub, sizes
             )
             if not (coefficient != 0).all():
                 idle = _multiply_aligned(
