@@ -476,8 +476,9 @@ TIME_WEIGHTS = {
 # `auto` leaves forward/reverse mode for a heuristic order only when the model
 # predicts this much saving: smaller savings were within noise or lost to XLA's
 # recomputation of shared partials (RobotArm_6DOF: 8% fewer multiplications than
-# reverse mode, 10-20% slower; SpringNetwork's min fill: 10% fewer, 10-15% slower;
-# RoeFlux_1d's min fill: 13% fewer, within 3%). See `benchmarks/NOTES.md`.
+# reverse mode, 10-20% slower; SpringNetwork's min fill, when it counted 10% fewer,
+# 10-15% slower; RoeFlux_1d's min fill: 13% fewer, within 3%). See
+# `benchmarks/NOTES.md`.
 AUTO_MARGIN = 0.15
 
 
