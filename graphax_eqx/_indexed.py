@@ -1584,13 +1584,13 @@ def coo_product(a, b, plan: CooProductPlan, dtype):
         else:
             parts = [untie.compact(part) for part in parts]
             at = untie.index(idx)
-        aligned = []
         if not isinstance(parts[0], np.ndarray) and _reads_twice(
             at, parts[0].shape[-1]
         ):
             # Written to memory first: fused into the gather, its computation would
             # be repeated for every read (see `_jax_private.write_apart`).
             parts[0] = jp.write_apart(parts[0])
+        aligned = []
         for part in parts:
             part = _take_last(part, at)
             if perm is not None:

@@ -1341,9 +1341,7 @@ def _select_contraction(operands, subs, masks, out_sub: str, dtype):
     # by a kernel that XLA CPU lets write its result over the block, was read after
     # being overwritten (3 Euler steps of Lorenz-96 on a batch, forward mode).
     axes = [so_.index(c) for c in contract]
-    starts = [(k,) for k in range(count)]
-    if len(contract) != 1:
-        starts = list(np.ndindex(*(sizes[c] for c in contract)))
+    starts = list(np.ndindex(*(sizes[c] for c in contract)))
 
     def piece_of(x, at):
         for axis, i in sorted(zip(axes, at), reverse=True):
