@@ -129,6 +129,17 @@ def sir_euler(x):
     return x
 
 
+def lorenz96_euler(x):
+    """Three explicit Euler steps (h = 0.01) of Lorenz-96 with forcing F = 8:
+    x_i' = (x_{i+1} - x_{i-2}) x_{i-1} - x_i + F, indices modulo n (n = 8 here)."""
+    n = x.shape[1]
+    for _ in range(3):
+        c = [x[:, i] for i in range(n)]
+        rhs = [(c[(i + 1) % n] - c[i - 2]) * c[i - 1] - c[i] + 8.0 for i in range(n)]
+        x = x + 0.01 * jnp.stack(rhs, axis=1)
+    return x
+
+
 def programs() -> list[Batched]:
     return [
         Batched("RoeFlux_1d", _columns(tasks.roe_flux_1d, 6), 6, 0.5, 1.5),
@@ -144,6 +155,7 @@ def programs() -> list[Batched]:
         Batched("double pendulum", pendulum_rhs, 4, -1.0, 1.0),
         Batched("double pendulum, 2 RK4 steps", pendulum_rk4, 4, -1.0, 1.0),
         Batched("SIR, 5 Euler steps", sir_euler, 3, 0.5, 1.0),
+        Batched("Lorenz-96, 3 Euler steps", lorenz96_euler, 8, 0.5, 2.0),
     ]
 
 
