@@ -708,6 +708,21 @@ def shaping_vars(
     return frozenset(found)
 
 
+def _update_apart(update):
+    """A traced update of `lax.dynamic_update_slice`, written to memory before the
+    update is applied.
+
+    XLA CPU (jaxlib 0.10.2) applies a dynamic update slice in place, in a kernel that
+    also computes the update. Where the update reads the operand's buffer through
+    another view of it (a reshape that XLA turns into a bitcast), that kernel reads
+    entries it has already overwritten: `lax.dynamic_update_slice(y, jnp.cos(y[:9]),
+    (s,))`, with `y` reshaped from `(11, 1)`, is wrong for every `s > 0` under
+    `jax.jit` alone. Written apart, the update is a buffer of its own."""
+    if jp.is_concrete(update):
+        return update
+    return jp.write_apart(update)
+
+
 def evaluate(
     program: Program,
     structure: Structure,
@@ -742,6 +757,8 @@ def evaluate(
     adds = 0
     for eqn in program.eqns:
         ins = [read(a) for a in eqn.invars]
+        if eqn.prim is lax.dynamic_update_slice_p:
+            ins[1] = _update_apart(ins[1])
         out_vertices = [vid.get(v) for v in eqn.outvars]
         need = [isinstance(a, int) and a in vid for a in eqn.invars]
         if any(o is not None for o in out_vertices) and any(need):

@@ -1,5 +1,10 @@
 """Regression tests for defects of the original graphax implementation."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -511,3 +516,86 @@ def test_half_precision_maps_meeting_float32_products(dtype, name):
             np.testing.assert_allclose(
                 np.asarray(got, np.float64), reference, rtol=0.05, atol=0.05
             )
+
+
+# --------------------------------------------------------------------------------------
+# A dynamic update slice whose update reads its operand through a reshape.
+# --------------------------------------------------------------------------------------
+
+_UPDATE_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax import lax
+    import graphax_eqx
+
+    QUERIES = np.random.default_rng(0).uniform(-0.2, 1.2, size=11)
+    PICK, REVERSED = np.arange(11), np.arange(11)[::-1].copy()
+    MASK = np.array([1, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0], bool)
+
+    def traced(x, start):
+        # A start computed from the input (the comparison never holds).
+        return start + (lax.stop_gradient(jnp.max(x)) > 1e9).astype(jnp.int32)
+
+    def interp_then_update(start):
+        def f(x):
+            grid = jnp.linspace(0, 1, 12, dtype=x.dtype)
+            y = jnp.interp(jnp.asarray(QUERIES, x.dtype), grid, x)
+            at = (traced(x, start),)
+            u = jnp.sin(lax.dynamic_update_slice(y, jnp.cos(y[:9]), at))
+            return jnp.stack([u, 2 * u, jnp.cos(u)], axis=0)
+        return f
+
+    def column_then_update(start):
+        def f(x):
+            col = jnp.where(MASK[:, None], x[PICK][:, None], 2 * x[REVERSED][:, None])
+            update = jnp.cos(col[:9, 0])
+            at = (traced(x, start),)
+            return lax.dynamic_update_slice(col.reshape(11), update, at)
+        return f
+
+    checked = 0
+    for program in (interp_then_update, column_then_update):
+        for start in (1, 2):
+            f = program(start)
+            x = jnp.asarray(np.random.default_rng(1).uniform(-1, 1, 12), jnp.float32)
+            want = np.asarray(jax.jacfwd(f)(x))
+            for order in ("fwd", "rev", "markowitz", "auto"):
+                jac = graphax_eqx.jacve(f, order=order)
+                sparse = graphax_eqx.jacve(f, order=order, sparse_representation=True)
+                got = {
+                    "jit": jax.jit(jac)(x),
+                    "sparse": jax.jit(lambda x: sparse(x).dense())(x),
+                }
+                for how, value in got.items():
+                    checked += 1
+                    err = float(np.max(np.abs(np.asarray(value) - want)))
+                    if not err < 1e-5:
+                        name = program.__name__
+                        print(f"FAIL {name} start={start} {order} {how}: {err}")
+    print(f"CHECKED {checked}")
+    """
+)
+
+
+def test_update_that_reads_its_operand_through_a_reshape():
+    """XLA CPU applies `lax.dynamic_update_slice` in place, in a kernel that also
+    computes the update; where the update read the operand through a reshaped view,
+    that kernel read entries it had already overwritten (every start past 0, under
+    `jax.jit`, with XLA's default fusion emitters, which the suite's other tests do not
+    compile with). The update is written to memory first."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _UPDATE_SCRIPT],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert "CHECKED 32" in lines, lines[-20:]
+    assert not [line for line in lines if line.startswith("FAIL")], lines
