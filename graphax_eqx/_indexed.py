@@ -237,12 +237,15 @@ class CooTensor(BlockShape, eqx.Module):
     - `dtype`: the dtype of the Jacobian.
     - `mask`: `None`, or a boolean array shaped like `val` marking selected-away
         entries (see `graphax_eqx.SparseTensor`).
+    - `layout`: on a mesh with explicit axes, the `PartitionSpec` of the dense
+        block (`jax.jacrev`'s), which `.dense()` gives it; else `None`.
     """
 
     val: Array | None
     pattern: CooPattern = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
     mask: Array | None = None
+    layout: Any = eqx.field(static=True, default=None)
 
     @property
     def nse(self) -> int:
@@ -259,7 +262,8 @@ class CooTensor(BlockShape, eqx.Module):
         batch = vmapped_axes(self.val, self.pattern.val_shape)
         if batch:
             return batched_dense(self, batch)
-        return to_labeled(self)._dense_ops()
+        out = to_labeled(self)._dense_ops()
+        return jp.laid_out(out, self.layout, self.val)
 
     def todense(self) -> Array:
         """Alias of `graphax_eqx.CooTensor.dense`."""

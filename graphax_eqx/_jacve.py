@@ -834,12 +834,14 @@ def _sparse_from_auto(
     Each value axis takes the sharding of the last Jacobian axis it indexes (an input
     axis where it has one, as in `jax.jacrev`'s layout), each mesh axis used once.
     """
+    full = jp.spec_of(target, len(st.pattern.shape))
+    # `.dense()` lays the block out as `jax.jacrev`'s leaf.
+    st = dataclasses.replace(st, layout=jp.trimmed_spec(full))
     if isinstance(st, CooTensor):
         # Values laid out by entry: replicated, as no Jacobian axis indexes them.
         sharding = NamedSharding(axes.explicit, jp.trimmed_spec([]))
         return jtu.tree_map(lambda v: jp.from_auto(v, sharding, axes), st)
     p = st.pattern
-    full = jp.spec_of(target, len(p.shape))
     used: set = set()
     entries = []
     for label in p.val_labels:

@@ -414,6 +414,17 @@ def from_auto(x, sharding, axes: AutoAxes):
     return reshard(x, sharding)
 
 
+def laid_out(x, spec, like):
+    """`x` resharded to `spec` on the explicit mesh `like`'s type is placed on; `x`
+    itself where `spec` is `None` or `like` is on no mesh with explicit axes."""
+    if spec is None or like is None:
+        return x
+    mesh = _mesh_of_aval(jax.typeof(like))
+    if mesh is None or not _has_explicit(mesh):
+        return x
+    return reshard(x, NamedSharding(mesh, spec))
+
+
 def auto_params(params: dict[str, Any], axes: AutoAxes, prim=None) -> dict[str, Any]:
     """Equation params with their meshes, shardings and sub-jaxprs on the auto mesh."""
     if shard_map_p is not None and prim is shard_map_p:

@@ -325,12 +325,15 @@ class SparseTensor(BlockShape, eqx.Module):
         each either of `val`'s size or of size one (where it does not vary), and
         products carry it on: an entry of a product is selected away when every
         term that makes it is. Stored values are zero where it is true.
+    - `layout`: on a mesh with explicit axes, the `PartitionSpec` of the dense
+        block (`jax.jacrev`'s), which `.dense()` gives it; else `None`.
     """
 
     val: Array | None
     pattern: Pattern = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
     mask: Array | None = None
+    layout: Any = eqx.field(static=True, default=None)
 
     def dense(self) -> Array:
         """The Jacobian as a dense array of shape `out_shape + in_shape` (with the
@@ -343,7 +346,8 @@ class SparseTensor(BlockShape, eqx.Module):
         batch = vmapped_axes(self.val, p.val_shape)
         if batch:
             return batched_dense(self, batch)
-        return weak_as(self.val, self._dense_values())
+        out = weak_as(self.val, self._dense_values())
+        return jp.laid_out(out, self.layout, self.val)
 
     def _dense_values(self) -> Array:
         p = self.pattern

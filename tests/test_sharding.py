@@ -157,6 +157,27 @@ _SCRIPT = textwrap.dedent(
         placement=False,
     )
 
+    # Coordinate blocks (their values stored by entry, not along the sharded axis):
+    # `.dense()` is typed as `jax.jacrev`'s leaf.
+    def rolled(X):
+        return jnp.roll(X, 1, axis=-1) - 2 * X + jnp.roll(X, -1, axis=-1) + jnp.sin(X)
+
+    def columns(X):
+        return jnp.stack([X[:, 1] * X[:, 0], jnp.sin(X[:, 2]), X[:, 3] ** 2], axis=1)
+
+    for fn in (rolled, columns):
+        for order in ("rev", "auto"):
+            for jit_ in (False, True):
+                wrap = jax.jit if jit_ else (lambda f: f)
+                sparse = gx.jacve(fn, order=order, sparse_representation=True)
+                check(
+                    f"sparse {fn.__name__} {order} jit={jit_}",
+                    lambda: wrap(lambda X: sparse(X).dense())(xb),
+                    lambda: jax.jacrev(fn)(xb),
+                    placement=False,
+                )
+    jit_ = True
+
     # A linear map: its Jacobian is computed from constants alone, on one device, and
     # under `jit` the program uses none of its arguments (JAX refuses to lower a
     # program typed on a mesh that uses no argument). On Auto axes the placement of
