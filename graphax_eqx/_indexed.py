@@ -346,7 +346,7 @@ def mapped(ct, linear, copies: bool = False):
         linear.pattern,
         copies,
     )
-    return MappedCooTensor(ct.val, pattern, ct.dtype, ct.mask, linear)
+    return MappedCooTensor(ct.val, pattern, ct.dtype, ct.mask, linear=linear)
 
 
 def as_map(x):
@@ -2460,7 +2460,7 @@ def _carried_product(a, b, plan: CarriedPlan, dtype, final: bool):
         fn = lambda t: a_fn(mb.fn(t))  # noqa: E731
         tfn = lambda y: mb.tfn(a_tfn(y))  # noqa: E731
     linear = LinearMap(fn, tfn, plan.pattern.linear, jnp.dtype(dtype))
-    return MappedCooTensor(out.val, plan.pattern, out.dtype, out.mask, linear)
+    return MappedCooTensor(out.val, plan.pattern, out.dtype, out.mask, linear=linear)
 
 
 def _applied(x):
