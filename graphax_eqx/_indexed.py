@@ -46,6 +46,7 @@ from ._sparse import (
     known,
     make_pattern,
     vmapped_axes,
+    without_tangent_mask,
 )
 
 
@@ -255,7 +256,8 @@ class CooTensor(BlockShape, eqx.Module):
     def dense(self) -> Array:
         """The Jacobian as a dense array of shape `out_shape + in_shape` (with the
         leading axes `jax.vmap` added, if any)."""
-        return eager_compiled(type(self)._dense_ops, self)
+        block = without_tangent_mask(self)
+        return eager_compiled(type(block)._dense_ops, block)
 
     def _dense_ops(self) -> Array:
         """`dense`, as the operations that compute it (not compiled apart)."""
@@ -272,10 +274,11 @@ class CooTensor(BlockShape, eqx.Module):
     def to_bcoo(self) -> jsparse.BCOO:
         """The Jacobian as a `jax.experimental.sparse.BCOO` matrix storing exactly the
         structural nonzeros."""
-        p = self.pattern
-        batch = vmapped_axes(self.val, p.val_shape)
+        block = without_tangent_mask(self)
+        p = block.pattern
+        batch = vmapped_axes(block.val, p.val_shape)
         if batch:
-            return batched_bcoo(self, batch)
+            return batched_bcoo(block, batch)
         nties = len(p.ties)
         tie_grid = np.indices(p.tie_sizes, dtype=np.int64)
         tie_grid = tie_grid.reshape(nties, math.prod(p.tie_sizes))
@@ -291,7 +294,7 @@ class CooTensor(BlockShape, eqx.Module):
             index[:, :, axis] = out_c[k][None, :]
         for k, axis in enumerate(p.in_free):
             index[:, :, nout + axis] = in_c[k][None, :]
-        data = eager_compiled(_coo_data, self)
+        data = eager_compiled(_coo_data, block)
         index = index.reshape(ntie * p.nnz, len(p.shape)).astype(
             _index_dtype(max(p.shape, default=1))
         )

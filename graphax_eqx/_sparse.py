@@ -262,6 +262,18 @@ def batched_dense(block, batch: int) -> Array:
     return fn(block)
 
 
+def without_tangent_mask(block):
+    """`block` without its mask where the mask is a tangent's placeholder: a result
+    differentiated by `jax.jvp` or `jax.linearize` has a tangent with the result's
+    structure, whose boolean mask becomes an array of dtype `float0`. The tangent's
+    values are exactly zero where the result's mask holds (they are the derivatives
+    of values selected to zero there), so it needs no mask to be read."""
+    mask = block.mask
+    if mask is not None and jnp.dtype(mask.dtype) == jax.dtypes.float0:
+        return dataclasses.replace(block, mask=None)
+    return block
+
+
 def eager_compiled(fn: Callable, block) -> Any:
     """`fn(block)`, as one compiled program where the block's arrays are known now
     (an eager result). Run operation by operation, the writes that make a dense array
@@ -338,7 +350,8 @@ class SparseTensor(BlockShape, eqx.Module):
     def dense(self) -> Array:
         """The Jacobian as a dense array of shape `out_shape + in_shape` (with the
         leading axes `jax.vmap` added, if any)."""
-        return eager_compiled(type(self)._dense_ops, self)
+        block = without_tangent_mask(self)
+        return eager_compiled(type(block)._dense_ops, block)
 
     def _dense_ops(self) -> Array:
         """`dense`, as the operations that compute it (not compiled apart)."""
@@ -376,17 +389,18 @@ class SparseTensor(BlockShape, eqx.Module):
         Only the structurally nonzero entries are stored: one per combination of the
         distinct labels.
         """
-        p = self.pattern
-        batch = vmapped_axes(self.val, p.val_shape)
+        block = without_tangent_mask(self)
+        p = block.pattern
+        batch = vmapped_axes(block.val, p.val_shape)
         if batch:
-            return batched_bcoo(self, batch)
+            return batched_bcoo(block, batch)
         sizes = p.sizes
         grids = np.indices(sizes, dtype=np.int32).reshape(len(sizes), math.prod(sizes))
         if p.labels:
             indices = np.stack([grids[label] for label in p.labels], axis=-1)
         else:  # a scalar block: one entry, no coordinates
             indices = np.zeros((1, 0), np.int32)
-        data = eager_compiled(_bcoo_data, self)
+        data = eager_compiled(_bcoo_data, block)
         return jsparse.BCOO((data, jnp.asarray(indices)), shape=p.shape)
 
     def __repr__(self) -> str:

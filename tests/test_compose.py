@@ -168,6 +168,39 @@ def test_to_bcoo_of_a_scalar_block():
     assert_tree_matches(bcoo.todense(), jax.jacfwd(f)(x))
 
 
+def _masked_stencil(u):
+    # A `where` inside a stencil: the sparse result carries a mask of the entries
+    # selected away, which becomes a float0 array in the result's tangent.
+    return jnp.where(u > 0.6, jnp.sin(u * jnp.roll(u, 1)), 0.0) + u[::-1] ** 2
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])
+def test_tangents_of_masked_sparse_results(order):
+    u = jnp.linspace(0.1, 1.3, 8)
+    ts = jnp.stack([jnp.cos(jnp.arange(8.0)), jnp.ones(8)])
+    jacobian = graphax_eqx.jacve(_masked_stencil, order, sparse_representation=True)
+    assert jacobian(u).mask is not None
+
+    def want(t):
+        return jax.jvp(jax.jacrev(_masked_stencil), (u,), (t,))[1]
+
+    def tangent(t):
+        return jax.jvp(jacobian, (u,), (t,))[1]
+
+    def dense(t):
+        return tangent(t).dense()
+
+    def bcoo(t):
+        return tangent(t).to_bcoo().todense()
+
+    for read in (dense, bcoo):
+        assert_tree_matches(read(ts[0]), want(ts[0]))
+        assert_tree_matches(jax.jit(read)(ts[0]), want(ts[0]))
+        assert_tree_matches(jax.vmap(read)(ts), jax.vmap(want)(ts))
+    linear = jax.linearize(jacobian, u)[1]
+    assert_tree_matches(linear(ts[1]).to_bcoo().todense(), want(ts[1]))
+
+
 @pytest.mark.parametrize("order", ["fwd", "rev", "auto"])
 def test_grad_through_jacve(order):
     def loss(x, jacobian):
