@@ -154,7 +154,9 @@ def inline(closed_jaxpr) -> Program:
                     params = jp.reduction_params(reduction, axes, shape, var.aval.dtype)
                     eqns.append(Eqn(reduction, params, (atom,), (out,)))
                 continue
-            params = dict(eqn.params)
+            # Update slices in loop bodies and branches that XLA CPU could apply
+            # wrongly are applied to updates written apart (see `update_apart`).
+            params = jp.protected_params(eqn.primitive, dict(eqn.params))
             if eqn.primitive is jp.custom_jvp_call_p:
                 params = jp.remember_const_operands(params, eqn.invars)
             eqns.append(Eqn(eqn.primitive, params, tuple(ins), tuple(outs)))

@@ -885,6 +885,145 @@ def write_apart(x):
     return write_apart_p.bind(x)
 
 
+# An update slice that XLA CPU (jaxlib 0.10.2) would apply wrongly. XLA applies
+# `lax.dynamic_update_slice` in place, in a kernel that also computes the update;
+# where the update reads the operand's buffer through another view of it (a reshape
+# that XLA turns into a bitcast), that kernel reads entries it has already
+# overwritten. Inside a loop body (compiled even in eager calls) the function's own
+# values are then wrong, and so are its derivatives by `jax.jacfwd`, since the
+# tangents are updated the same way. `update_apart` writes an update to memory in a
+# kernel of its own (as `write_apart`), and its tangents and cotangents too.
+update_apart_p = jex_core.Primitive("update_apart")
+update_apart_p.def_impl(lambda x: x)
+update_apart_p.def_abstract_eval(lambda aval: aval)
+_ad.deflinear2(update_apart_p, lambda ct, x: [update_apart_p.bind(ct)])
+_batching.defvectorized(update_apart_p)
+_mlir.register_lowering(update_apart_p, lambda ctx, x: [x])
+_mlir.register_lowering(update_apart_p, _write_apart_cpu, platform="cpu")
+
+
+def _ancestors(var, producers: dict) -> set:
+    """`var` and every variable it is computed from, in one jaxpr."""
+    seen, stack = set(), [var]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Literal) or v in seen:
+            continue
+        seen.add(v)
+        eqn = producers.get(v)
+        if eqn is not None:
+            stack.extend(eqn.invars)
+    return seen
+
+
+def _risky_updates(jaxpr) -> frozenset[int]:
+    """Positions of the update slices in `jaxpr` whose update is computed from a
+    value of the operand's size that the operand is computed from too (the operand
+    itself, or a value it may be a view of): XLA may read that value's buffer while
+    writing the result into it."""
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    risky = set()
+    for k, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive is not lax.dynamic_update_slice_p:
+            continue
+        operand, update = eqn.invars[0], eqn.invars[1]
+        if isinstance(update, Literal):
+            continue
+        size = math.prod(operand.aval.shape)
+        shared = _ancestors(update, producers) & _ancestors(operand, producers)
+        if any(math.prod(v.aval.shape) == size for v in shared):
+            risky.add(k)
+    return frozenset(risky)
+
+
+# Primitives whose bodies `protect_updates` rewrites, and the params holding them.
+_BODY_PARAMS = {
+    lax.scan_p: ("jaxpr",),
+    lax.cond_p: ("branches",),
+    lax.while_p: ("cond_jaxpr", "body_jaxpr"),
+    jit_p: ("jaxpr",),
+    closed_call_p: ("call_jaxpr",),
+    remat_p: ("jaxpr",),
+}
+
+
+def _bodies_of(eqn) -> list:
+    names = _BODY_PARAMS.get(eqn.primitive, ())
+    found = []
+    for name in names:
+        value = eqn.params.get(name)
+        found.extend(value if isinstance(value, (tuple, list)) else [value])
+    return found
+
+
+def _needs_protection(jaxpr) -> bool:
+    if _risky_updates(jaxpr):
+        return True
+    for eqn in jaxpr.eqns:
+        for body in _bodies_of(eqn):
+            inner = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+            if isinstance(inner, Jaxpr) and _needs_protection(inner):
+                return True
+    return False
+
+
+def _protected_closed(closed):
+    jaxpr = closed.jaxpr
+    if not _needs_protection(jaxpr):
+        return closed
+    if any(has_mesh(v.aval) for v in jaxpr.invars):
+        return closed  # not re-traced: its types would lose their shardings
+    structs = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in jaxpr.invars
+    ]
+    out = jax.make_jaxpr(lambda *a: _eval_protected(jaxpr, closed.consts, a))(*structs)
+    if [v.aval for v in out.jaxpr.outvars] != [v.aval for v in jaxpr.outvars]:
+        return closed  # pragma: no cover (re-traced with other types: left as it was)
+    return out
+
+
+def protected_params(prim, params: dict[str, Any]) -> dict[str, Any]:
+    """Equation params whose bodies (loops, branches, calls) apply every update
+    slice XLA CPU could apply wrongly to an update written apart (`update_apart`),
+    recursively; unchanged where there is none."""
+    names = _BODY_PARAMS.get(prim, ())
+    out = dict(params)
+    for name in names:
+        value = params.get(name)
+        if isinstance(value, ClosedJaxpr):
+            out[name] = _protected_closed(value)
+        elif isinstance(value, (tuple, list)) and all(
+            isinstance(b, ClosedJaxpr) for b in value
+        ):
+            out[name] = type(value)(_protected_closed(b) for b in value)
+        elif isinstance(value, Jaxpr) and not value.constvars:
+            closed = _protected_closed(ClosedJaxpr(value, []))
+            if not closed.consts:
+                out[name] = closed.jaxpr
+    return out
+
+
+def _eval_protected(jaxpr, consts, args) -> list:
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(a):
+        return a.val if isinstance(a, Literal) else env[a]
+
+    risky = _risky_updates(jaxpr)
+    for k, eqn in enumerate(jaxpr.eqns):
+        ins = [read(a) for a in eqn.invars]
+        if k in risky:
+            ins[1] = update_apart_p.bind(ins[1])
+        params = protected_params(eqn.primitive, eqn.params)
+        outs = bind(eqn.primitive, params, *ins)
+        for var, val in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, DropVar):
+                env[var] = val
+    return [read(a) for a in jaxpr.outvars]
+
+
 # Eager constants. Eager JAX computes every operation none of whose operands is
 # traced as it goes, so Python may read such values (`if flag > 0` with a closed-over
 # array); a jaxpr trace stages them. `jax.ensure_compile_time_eval()` computes them,
