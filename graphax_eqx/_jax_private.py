@@ -850,8 +850,9 @@ def compute_once(x):
 # blocks' last axis: 4x faster on a heart-dipole model's Jacobian blocks. On the CPU
 # the value passes through a `cond` whose two branches return it unchanged: XLA
 # computes the operands of a conditional before it, into memory. The predicate (the
-# value's first entry is NaN) is not known to the compiler; where it holds, that
-# entry is written as a NaN again (its sign and payload are not kept). Elsewhere,
+# value's first entry is NaN; for integers, the least integer; for booleans, true)
+# is not known to the compiler; where it holds, that entry is written again (a NaN
+# loses its sign and payload). Other dtypes (complex) pass unchanged. Elsewhere,
 # and in eager calls, it is `x` itself; under `vmap`, one `cond` takes the batched
 # value whole.
 write_apart_p = _identity_primitive("write_apart")
@@ -860,19 +861,30 @@ write_apart_p = _identity_primitive("write_apart")
 def _through_cond(x):
     corner = lax.slice(x, (0,) * x.ndim, (1,) * x.ndim)
     first = lax.reshape(corner, ())
+    dtype = np.dtype(x.dtype)
+    # The branch below is taken when the first entry is `marker`, and then writes
+    # it again: NaN for floats (whose NaN it replaces, sign and payload lost), the
+    # least value for integers, true for booleans.
+    if jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        taken, marker = first != first, np.nan
+    elif dtype == np.bool_:
+        taken, marker = first, True
+    else:
+        marker = jax.numpy.iinfo(dtype).min
+        taken = first == lax.full_like(first, marker)
 
-    def nan_first(a):
-        # Taken when the first entry is NaN, and then `a` itself. Two branches XLA
-        # can prove equal are merged, and the conditional with them.
-        nan = lax.full_like(corner, np.nan)
-        return lax.dynamic_update_slice(a, nan, (0,) * a.ndim)
+    def rewrite_first(a):
+        # `a` itself. Two branches XLA can prove equal are merged, and the
+        # conditional with them.
+        return lax.dynamic_update_slice(a, lax.full_like(corner, marker), (0,) * a.ndim)
 
-    return lax.cond(first != first, nan_first, lambda a: a, x)
+    return lax.cond(taken, rewrite_first, lambda a: a, x)
 
 
 def _write_apart_cpu(ctx, x):
     aval = ctx.avals_in[0]
-    if aval.size == 0 or not jax.numpy.issubdtype(aval.dtype, jax.numpy.floating):
+    numbers = (jax.numpy.floating, jax.numpy.integer, jax.numpy.bool_)
+    if aval.size == 0 or not any(jax.numpy.issubdtype(aval.dtype, t) for t in numbers):
         return [x]
     return _mlir.lower_fun(_through_cond, multiple_results=False)(ctx, x)
 
@@ -971,13 +983,24 @@ def _protected_closed(closed):
     jaxpr = closed.jaxpr
     if not _needs_protection(jaxpr):
         return closed
-    if any(has_mesh(v.aval) for v in jaxpr.invars):
-        return closed  # not re-traced: its types would lose their shardings
+    meshes = {v.aval.sharding.mesh for v in jaxpr.invars if has_mesh(v.aval)}
+    if len(meshes) > 1:
+        return closed  # pragma: no cover (not re-traced: types on several meshes)
     structs = [
-        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        jax.ShapeDtypeStruct(
+            v.aval.shape,
+            v.aval.dtype,
+            weak_type=v.aval.weak_type,
+            sharding=v.aval.sharding if has_mesh(v.aval) else None,
+        )
         for v in jaxpr.invars
     ]
-    out = jax.make_jaxpr(lambda *a: _eval_protected(jaxpr, closed.consts, a))(*structs)
+    # Typed on the mesh the body's values are on, as they were traced.
+    on_mesh = use_abstract_mesh(*meshes) if meshes else contextlib.nullcontext()
+    with on_mesh:
+        out = jax.make_jaxpr(lambda *a: _eval_protected(jaxpr, closed.consts, a))(
+            *structs
+        )
     if [v.aval for v in out.jaxpr.outvars] != [v.aval for v in jaxpr.outvars]:
         return closed  # pragma: no cover (re-traced with other types: left as it was)
     return out

@@ -648,3 +648,32 @@ def test_update_in_a_loop_that_reads_its_operand(loop):
     got_value, got_jac = graphax_eqx.filter_value_and_jacve(f)(x)
     np.testing.assert_allclose(got_value, value, atol=1e-6)
     np.testing.assert_allclose(got_jac, want, atol=1e-6)
+
+
+def test_integer_update_in_a_loop_that_reads_its_operand():
+    """The same defect with an integer update (a counter state carried beside the
+    differentiated one): its update is written apart too, so the values
+    `filter_value_and_jacve` returns are the function's."""
+
+    def counter_step(c, t):
+        n = c.shape[0]
+        d = c.reshape(n, 1)
+        d = jnp.where(d > 0, d, d // 2)
+        return lax.dynamic_update_slice(d.reshape(n), d[:4, 0] * 3 + 1, ((t + 2) % 3,))
+
+    def f(x):
+        start = (x, jnp.array([3, -5, 7, -2, 1, 4], jnp.int32))
+
+        def body(carry, t):
+            return (jnp.tanh(carry[0]), counter_step(carry[1], t)), None
+
+        y, counts = lax.scan(body, start, jnp.arange(3))[0]
+        return y + 1e-3 * counts.astype(y.dtype)
+
+    x = jnp.linspace(-1, 1, 6, dtype=jnp.float32)
+    with jax.disable_jit():
+        value, want = f(x), jax.jacfwd(f)(x)
+    for order in ("fwd", "rev"):
+        got_value, got = graphax_eqx.filter_value_and_jacve(f, order=order)(x)
+        np.testing.assert_allclose(got_value, value, atol=1e-6)
+        np.testing.assert_allclose(got, want, atol=1e-6)

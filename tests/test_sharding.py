@@ -121,6 +121,25 @@ _SCRIPT = textwrap.dedent(
         lambda: gx.jacve(control)(xb),
         lambda: jax.jacrev(control)(xb),
     )
+
+    def updated_in_a_loop(X):
+        # An update slice in a loop body that reads its operand through a reshape,
+        # which XLA CPU applies wrongly unless the update is written apart.
+        def step(c, t):
+            c = c.reshape(8, 4, 1)
+            c = jnp.where(c > 0, c, 0.5 * c)
+            update = jnp.tanh(c[:, :3, 0])
+            return jax.lax.dynamic_update_slice(c.reshape(8, 4), update, (0, t % 2))
+
+        return jax.lax.scan(lambda c, t: (step(c, t), None), X, jnp.arange(3))[0]
+
+    # (On Explicit axes, `jax.jacrev` of it needs `jax.set_mesh`, as `jacve` does.)
+    for order in ("fwd", "rev") if not EXPLICIT else ():
+        check(
+            f"update slice in a loop {order}",
+            lambda: gx.jacve(updated_in_a_loop, order=order)(xb),
+            lambda: jax.jacrev(updated_in_a_loop)(xb),
+        )
     check(
         "value_and_jacve has_aux",
         lambda: gx.value_and_jacve(
