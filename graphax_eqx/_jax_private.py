@@ -948,7 +948,7 @@ def _risky_updates(jaxpr) -> frozenset[int]:
     return frozenset(risky)
 
 
-# Primitives whose bodies `protect_updates` rewrites, and the params holding them.
+# Primitives whose bodies `protected_params` rewrites, and the params holding them.
 _BODY_PARAMS = {
     lax.scan_p: ("jaxpr",),
     lax.cond_p: ("branches",),
