@@ -547,24 +547,30 @@ def _retype(closed, axes: AutoAxes, allow_consts: bool = True):
     return closed if out.consts and not allow_consts else out
 
 
-def eval_auto(jaxpr, consts, args, axes: AutoAxes) -> list:
-    """Evaluate an open `jaxpr` on auto-typed `args`, converting every equation."""
-    env: dict[Any, Any] = {}
+def interpret(jaxpr, consts, args, bind_eqn) -> list:
+    """Evaluate an open `jaxpr` equation by equation on the current trace;
+    `bind_eqn(k, eqn, operands)` binds equation `k` and returns its outputs."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
 
     def read(a):
         return a.val if isinstance(a, Literal) else env[a]
 
-    for var, x in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = to_auto(x, axes)
-    for var, x in zip(jaxpr.invars, args, strict=True):
-        env[var] = x
-    for eqn in jaxpr.eqns:
-        params = auto_params(eqn.params, axes, eqn.primitive)
-        outs = bind(eqn.primitive, params, *[read(a) for a in eqn.invars])
+    for k, eqn in enumerate(jaxpr.eqns):
+        outs = bind_eqn(k, eqn, [read(a) for a in eqn.invars])
         for var, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, DropVar):
                 env[var] = val
     return [read(a) for a in jaxpr.outvars]
+
+
+def eval_auto(jaxpr, consts, args, axes: AutoAxes) -> list:
+    """Evaluate an open `jaxpr` on auto-typed `args`, converting every equation."""
+
+    def bind_auto(k, eqn, ins):
+        return bind(eqn.primitive, auto_params(eqn.params, axes, eqn.primitive), *ins)
+
+    return interpret(jaxpr, [to_auto(x, axes) for x in consts], args, bind_auto)
 
 
 def eager_auto_mesh(values):
@@ -1028,23 +1034,15 @@ def protected_params(prim, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _eval_protected(jaxpr, consts, args) -> list:
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-
-    def read(a):
-        return a.val if isinstance(a, Literal) else env[a]
-
     risky = _risky_updates(jaxpr)
-    for k, eqn in enumerate(jaxpr.eqns):
-        ins = [read(a) for a in eqn.invars]
+
+    def bind_protected(k, eqn, ins):
         if k in risky:
             ins[1] = update_apart_p.bind(ins[1])
         params = protected_params(eqn.primitive, eqn.params)
-        outs = bind(eqn.primitive, params, *ins)
-        for var, val in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(var, DropVar):
-                env[var] = val
-    return [read(a) for a in jaxpr.outvars]
+        return bind(eqn.primitive, params, *ins)
+
+    return interpret(jaxpr, consts, args, bind_protected)
 
 
 # Eager constants. Eager JAX computes every operation none of whose operands is
