@@ -856,9 +856,10 @@ def compute_once(x):
 # blocks' last axis: 4x faster on a heart-dipole model's Jacobian blocks. On the CPU
 # the value passes through a `cond` whose two branches return it unchanged: XLA
 # computes the operands of a conditional before it, into memory. The predicate (the
-# value's first entry is NaN; for integers, the least integer; for booleans, true)
-# is not known to the compiler; where it holds, that entry is written again (a NaN
-# loses its sign and payload). Other dtypes (complex) pass unchanged. Elsewhere,
+# value's first entry is NaN; for complex numbers, NaN in both parts; for integers,
+# the least integer; for booleans, true) is not known to the compiler; where it
+# holds, that entry is written again (a NaN loses its sign and payload). Other
+# dtypes (float0, say) pass unchanged. Elsewhere,
 # and in eager calls, it is `x` itself; under `vmap`, one `cond` takes the batched
 # value whole.
 write_apart_p = _identity_primitive("write_apart")
@@ -869,10 +870,14 @@ def _through_cond(x):
     first = lax.reshape(corner, ())
     dtype = np.dtype(x.dtype)
     # The branch below is taken when the first entry is `marker`, and then writes
-    # it again: NaN for floats (whose NaN it replaces, sign and payload lost), the
-    # least value for integers, true for booleans.
+    # it again: NaN for floats (whose NaN it replaces, sign and payload lost), NaN
+    # in both parts for complex numbers, the least value for integers, true for
+    # booleans.
     if jax.numpy.issubdtype(dtype, jax.numpy.floating):
         taken, marker = first != first, np.nan
+    elif jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
+        real, imag = lax.real(first), lax.imag(first)
+        taken, marker = (real != real) & (imag != imag), complex(np.nan, np.nan)
     elif dtype == np.bool_:
         taken, marker = first, True
     else:
@@ -889,7 +894,12 @@ def _through_cond(x):
 
 def _write_apart_cpu(ctx, x):
     aval = ctx.avals_in[0]
-    numbers = (jax.numpy.floating, jax.numpy.integer, jax.numpy.bool_)
+    numbers = (
+        jax.numpy.floating,
+        jax.numpy.complexfloating,
+        jax.numpy.integer,
+        jax.numpy.bool_,
+    )
     if aval.size == 0 or not any(jax.numpy.issubdtype(aval.dtype, t) for t in numbers):
         return [x]
     return _mlir.lower_fun(_through_cond, multiple_results=False)(ctx, x)

@@ -677,3 +677,34 @@ def test_integer_update_in_a_loop_that_reads_its_operand():
         got_value, got = graphax_eqx.filter_value_and_jacve(f, order=order)(x)
         np.testing.assert_allclose(got_value, value, atol=1e-6)
         np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_complex_update_in_a_loop_that_reads_its_operand():
+    """The same defect with a complex state computed inside a real function: its
+    update is written apart too (NaN in both parts marks the rewritten entry)."""
+
+    def complex_step(c, t):
+        n = c.shape[0]
+        d = c.reshape(n, 1)
+        d = jnp.where(jnp.real(d) > 0, d, d * (0.5 + 0.25j))
+        update = jnp.tanh(d[:4, 0]) * (1 + 2j)
+        return lax.dynamic_update_slice(d.reshape(n), update, ((t + 2) % 3,))
+
+    def f(x):
+        start = (x, (x * (1 - 0.5j)).astype(jnp.complex64))
+
+        def body(carry, t):
+            return (jnp.tanh(carry[0]), complex_step(carry[1], t)), None
+
+        y, z = lax.scan(body, start, jnp.arange(3))[0]
+        return y + jnp.real(z) * jnp.imag(z)
+
+    x = jnp.linspace(-1, 1, 6, dtype=jnp.float32)
+    with jax.disable_jit():
+        value, want = f(x), jax.jacfwd(f)(x)
+    for order in ("fwd", "rev", "markowitz"):
+        got_value, got = graphax_eqx.filter_value_and_jacve(f, order=order)(x)
+        np.testing.assert_allclose(got_value, value, atol=1e-5)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        got = jax.jit(graphax_eqx.jacve(f, order=order))(x)
+        np.testing.assert_allclose(got, want, atol=1e-5)
