@@ -930,36 +930,50 @@ _mlir.register_lowering(update_apart_p, lambda ctx, x: [x])
 _mlir.register_lowering(update_apart_p, _write_apart_cpu, platform="cpu")
 
 
-def _ancestors(var, producers: dict) -> set:
-    """`var` and every variable it is computed from, in one jaxpr."""
-    seen, stack = set(), [var]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, Literal) or v in seen:
-            continue
-        seen.add(v)
-        eqn = producers.get(v)
-        if eqn is not None:
-            stack.extend(eqn.invars)
-    return seen
-
-
 def _risky_updates(jaxpr) -> frozenset[int]:
     """Positions of the update slices in `jaxpr` whose update is computed from a
     value of the operand's size that the operand is computed from too (the operand
     itself, or a value it may be a view of): XLA may read that value's buffer while
     writing the result into it."""
-    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    updates = [
+        k
+        for k, eqn in enumerate(jaxpr.eqns)
+        if eqn.primitive is lax.dynamic_update_slice_p
+        and not isinstance(eqn.invars[1], Literal)
+    ]
+    if not updates:
+        return frozenset()
+    sizes = {math.prod(jaxpr.eqns[k].invars[0].aval.shape) for k in updates}
+    # Each variable's ancestors of those sizes (itself included), as bits of an
+    # integer: one pass over the equations, where sets of variables would take a
+    # walk per update (quadratic in a body of thousands of updates).
+    bits: dict[int, int] = {}  # size -> bits of the variables of that size
+    ancestry: dict[Any, int] = {}
+
+    def own(var) -> int:
+        size = math.prod(var.aval.shape)
+        if size not in sizes:
+            return 0
+        bit = 1 << len(ancestry)
+        bits[size] = bits.get(size, 0) | bit
+        return bit
+
+    def of(atom) -> int:
+        return 0 if isinstance(atom, Literal) else ancestry[atom]
+
+    for var in (*jaxpr.constvars, *jaxpr.invars):
+        ancestry[var] = own(var)
+    for eqn in jaxpr.eqns:
+        inherited = 0
+        for atom in eqn.invars:
+            inherited |= of(atom)
+        for var in eqn.outvars:
+            ancestry[var] = inherited | own(var)
     risky = set()
-    for k, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive is not lax.dynamic_update_slice_p:
-            continue
-        operand, update = eqn.invars[0], eqn.invars[1]
-        if isinstance(update, Literal):
-            continue
+    for k in updates:
+        operand, update = jaxpr.eqns[k].invars[:2]
         size = math.prod(operand.aval.shape)
-        shared = _ancestors(update, producers) & _ancestors(operand, producers)
-        if any(math.prod(v.aval.shape) == size for v in shared):
+        if of(operand) & of(update) & bits.get(size, 0):
             risky.add(k)
     return frozenset(risky)
 
