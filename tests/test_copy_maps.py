@@ -240,3 +240,31 @@ def test_copy_maps_equal_their_coordinates(name):
 
     walk(closed.jaxpr, closed.consts, args)
     assert checked > 0
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (2, 3), (2, 1, 3)])
+def test_stack_sources_read_in_numpy(shape):
+    """Where each output of `stack` and `unstack` comes from, read off in NumPy (one
+    JAX call per operand would stack all of them), equals what the primitive itself
+    computes on numbered entries."""
+    from graphax_eqx import _jax_private as jp
+    from graphax_eqx._rules import structural
+
+    n = int(np.prod(shape))
+    numbered = np.arange(1, n + 1, dtype=np.int32).reshape(shape)
+    for axis in range(len(shape) + 1):
+        for count in (1, 3):
+            for i in range(count):
+                args = [np.zeros(shape, np.int32) for _ in range(count)]
+                args[i] = numbered
+                want = np.asarray(jnp.stack(args, axis=axis)).reshape(-1) - 1
+                (got,) = structural._stack_sources(
+                    jp.stack_p, axis, [shape] * count, i
+                )
+                np.testing.assert_array_equal(got, want)
+    for axis in range(len(shape)):
+        wants = jp.bind(jp.unstack_p, dict(axis=axis), numbered)
+        gots = structural._stack_sources(jp.unstack_p, axis, [shape], 0)
+        assert len(gots) == len(wants)
+        for got, want in zip(gots, wants, strict=True):
+            np.testing.assert_array_equal(got, np.asarray(want).reshape(-1) - 1)

@@ -55,6 +55,8 @@ def _sources(prim, params, args, i):
         src = _numpy_sources(prim, params, shape_of(args[0]))
         if src is not None:
             return [src]
+    if prim is jp.stack_p or prim is jp.unstack_p:
+        return _stack_sources(prim, params["axis"], [shape_of(a) for a in args], i)
     call = []
     for k, a in enumerate(args):
         if k == i:
@@ -69,6 +71,17 @@ def _sources(prim, params, args, i):
     with jax.ensure_compile_time_eval():
         outs = jp.bind(prim, params, *call)
     return [np.asarray(o).reshape(-1).astype(np.int64) - 1 for o in outs]
+
+
+def _stack_sources(prim, axis, in_shapes, i):
+    """`_sources` of operand `i` of a `stack` or `unstack`, in NumPy: one call of JAX
+    per operand would stack all of them, quadratic in their number."""
+    pos = np.arange(math.prod(in_shapes[i]), dtype=np.int64).reshape(in_shapes[i])
+    if prim is jp.unstack_p:
+        return [pos.take(k, axis=axis).reshape(-1) for k in range(pos.shape[axis])]
+    out = np.full((len(in_shapes),) + in_shapes[i], -1, np.int64)
+    out[i] = pos
+    return [np.moveaxis(out, 0, axis).reshape(-1)]
 
 
 def _numpy_sources(prim, params, in_shape):
