@@ -258,9 +258,7 @@ def test_stack_sources_read_in_numpy(shape):
                 args = [np.zeros(shape, np.int32) for _ in range(count)]
                 args[i] = numbered
                 want = np.asarray(jnp.stack(args, axis=axis)).reshape(-1) - 1
-                (got,) = structural._stack_sources(
-                    jp.stack_p, axis, [shape] * count, i
-                )
+                (got,) = structural._stack_sources(jp.stack_p, axis, [shape] * count, i)
                 np.testing.assert_array_equal(got, want)
     for axis in range(len(shape)):
         wants = jp.bind(jp.unstack_p, dict(axis=axis), numbered)
