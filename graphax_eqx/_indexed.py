@@ -1546,6 +1546,9 @@ def _gathered_terms(x: Array, idx: np.ndarray) -> tuple[tuple[Array, np.ndarray]
 
 
 def _emit_terms(terms: tuple[tuple[Array, np.ndarray], ...]) -> Array:
+    disjoint = _disjoint_terms(terms)
+    if disjoint is not None:
+        return disjoint
     total = None
     for base, index in terms:
         n = base.shape[-1]
@@ -1555,6 +1558,31 @@ def _emit_terms(terms: tuple[tuple[Array, np.ndarray], ...]) -> Array:
         total = part if total is None else lax.add(total, part)
     assert total is not None
     return total
+
+
+def _disjoint_terms(terms: tuple[tuple[Array, np.ndarray], ...]) -> Array | None:
+    """A sum of gathered terms no two of which store the same entry (the rows of a
+    `stack` added one at a time, say) as one gather of the terms put end to end:
+    pairwise, each sum would gather both operands and add them, and a sum of `n`
+    rows would emit `n` such steps. `None` where two terms share an entry, or the
+    terms' values cannot be put together."""
+    if len(terms) < 2:
+        return None
+    bases = [base for base, _ in terms]
+    lead, dtype = tuple(bases[0].shape[:-1]), bases[0].dtype
+    if any(tuple(b.shape[:-1]) != lead or b.dtype != dtype for b in bases):
+        return None
+    stored = [index < base.shape[-1] for base, index in terms]
+    if np.any(np.sum(stored, axis=0) > 1):
+        return None
+    offsets = np.cumsum([0] + [b.shape[-1] for b in bases])
+    at = np.full(len(terms[0][1]), offsets[-1], np.int64)  # no term: a zero
+    for (_, index), here, offset in zip(terms, stored, offsets[:-1], strict=True):
+        at[here] = index[here] + offset
+    joined = lax.concatenate(bases, len(lead))
+    if np.any(at == offsets[-1]):
+        joined = _with_zero(joined)
+    return _take_last(joined, at)
 
 
 def _reads_twice(at: np.ndarray, n: int) -> bool:

@@ -2051,3 +2051,25 @@ def test_index_maps_from_constant_float_values_are_static_under_jit(order):
     got_value, _ = jax.jit(graphax_eqx.value_and_jacve(f, order=order))(y)
     # Equal up to the order the histogram's scatter-add sums its colliding weights.
     np.testing.assert_allclose(got_value, value, rtol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev", "markowitz"])
+def test_stacked_rows_are_put_together_not_summed(order):
+    """Rows of a `stack` store disjoint entries: their sum is one gather of the rows
+    put end to end, not one gather-and-add per row (which made a program of `n`
+    stacked rows emit and compile `n` growing sums)."""
+    rows = 40
+
+    def f(x):
+        return jnp.stack([jnp.sin(x[i % 8]) * x[(i + 1) % 8] for i in range(rows)])
+
+    x = jnp.linspace(0.1, 1.0, 10)
+    fun = graphax_eqx.jacve(f, order=order)
+    eqns = jax.make_jaxpr(fun)(x).jaxpr.eqns
+    assert sum(e.primitive is lax.add_p for e in eqns) <= 2
+    assert len(eqns) < 20 * rows
+    want = jax.jacfwd(f)(x)
+    np.testing.assert_allclose(fun(x), want, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(fun)(x), want, rtol=1e-6)
+    sparse = graphax_eqx.jacve(f, order=order, sparse_representation=True)(x)
+    np.testing.assert_allclose(sparse.dense(), want, rtol=1e-6)
