@@ -1229,6 +1229,66 @@ def test_symbolic_zeros_only_where_jax_passes_them(order):
     )
 
 
+@jax.custom_jvp
+def _strict_mul(x, y):
+    return x * y
+
+
+def _strict_mul_jvp(primals, tangents):
+    (x, y), (tx, ty) = primals, tangents
+    for t in (tx, ty):
+        assert not isinstance(t, jax.custom_derivatives.SymbolicZero)
+    return _strict_mul(x, y), tx * y + x * ty
+
+
+_strict_mul.defjvp(_strict_mul_jvp, symbolic_zeros=True)
+
+
+@jax.custom_vjp
+def _strict_scale(x, s):
+    return x * s
+
+
+def _strict_scale_fwd(x, s):
+    # Both operands depend on the input in the programs below: JAX perturbs both.
+    assert x.perturbed and s.perturbed
+    return _strict_scale(x.value, s.value), (x.value, s.value)
+
+
+def _strict_scale_bwd(res, ct):
+    x, s = res
+    return ct * s, (ct * x).sum() if s.ndim == 0 else ct * x
+
+
+_strict_scale.defvjp(_strict_scale_fwd, _strict_scale_bwd, symbolic_zeros=True)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_elementwise_rules_get_a_tangent_for_every_perturbed_operand(order):
+    # One output, elementwise in its operands: each operand's diagonal (or, for a
+    # scalar, column) is read off the rule differentiated with respect to every
+    # perturbed operand at once, as JAX does, not one at a time with symbolic zeros
+    # for the others.
+    x = jnp.linspace(-0.9, 1.3, 5)
+    programs = (
+        (lambda x: _strict_mul(jnp.exp(x), x**2), (0,)),
+        (lambda x: _strict_mul(jnp.exp(x), jnp.sum(x**2)), (0,)),
+        (lambda x, y: _strict_mul(x, y), (0, 1)),
+        (lambda x: _strict_scale(jnp.sin(x), jnp.sum(x**2)), (0,)),
+        (lambda x: _strict_scale(jnp.sin(x), jnp.cos(x)), (0,)),
+    )
+    for f, argnums in programs:
+        args = (x, jnp.cos(x))[: len(argnums)]
+        want = jax.jacrev(f, argnums=argnums)(*args)
+        for fun in (
+            gx.jacve(f, order=order, argnums=argnums),
+            jax.jit(gx.jacve(f, order=order, argnums=argnums)),
+        ):
+            got = fun(*args)
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
 _ROUTE = {"swap": False}
 
 

@@ -759,37 +759,49 @@ def _trace_rule(prim, params, operands, wrt, use_vjp):
     return closed.jaxpr, len(jax.tree.leaves(seed)), list(closed.consts)
 
 
-def _rule_decision(prim, params, primals, wrt, out, use_vjp) -> _Decision:
+def _rule_decision(prim, params, primals, idx, wrt, out, use_vjp) -> _Decision:
     """Whether the custom rule maps tangents of `primals[i]`, `i in wrt`, to the output
     tangent (or the output cotangent back to theirs) elementwise, and whether a NaN
     seed reaches each diagonal (`seed_reaches`).
 
-    The seed's dependence is followed through the traced rule (`_rule_jaxpr`). This
-    is structural, so it holds under `jit` where values are tracers; anything not
-    shown elementwise (reductions, rolls, gathers, control flow) counts as mixing.
+    The rule is traced with a seed for every active operand (`idx`, of which `wrt`
+    are some), as JAX differentiates it: a rule with symbolic zeros sees the operands
+    JAX perturbs. The seed's dependence is followed through the traced rule
+    (`_rule_jaxpr`). This is structural, so it holds under `jit` where values are
+    tracers; anything not shown elementwise (reductions, rolls, gathers, control
+    flow) counts as mixing.
     """
+    at = [idx.index(i) for i in wrt]
 
     def compute():
-        traced = _rule_jaxpr(prim, params, primals, wrt, use_vjp)
+        traced = _rule_jaxpr(prim, params, primals, idx, use_vjp)
         if traced is None:
             return _Decision(False, (False,) * len(wrt))
         jaxpr, n_seed, _ = traced
         n_other = len(jaxpr.invars) - n_seed
-        in_deps = [_Dep.NONE] * n_other + [_Dep.ELEMENTWISE] * n_seed
-        outs = _propagate(jaxpr, in_deps, shape_of(out))
         if use_vjp:  # one cotangent seed, one output per operand
-            reaches = nan_reaches(jaxpr, [False] * n_other + [True])
+            in_deps = [_Dep.NONE] * n_other + [_Dep.ELEMENTWISE] * n_seed
+            outs = _propagate(jaxpr, in_deps, shape_of(out))
+            outs = [outs[k] for k in at]
+            carried = nan_reaches(jaxpr, [False] * n_other + [True])
+            reaches = [carried[k] for k in at]
         else:  # one tangent seed per operand, one output
+            in_deps = [_Dep.NONE] * n_other + [
+                _Dep.ELEMENTWISE if k in at else _Dep.NONE for k in range(n_seed)
+            ]
+            outs = _propagate(jaxpr, in_deps, shape_of(out))
             reaches = [
                 nan_reaches(jaxpr, [False] * n_other + [j == k for j in range(n_seed)])[
                     0
                 ]
-                for k in range(n_seed)
+                for k in at
             ]
         elementwise = all(d is not _Dep.MIXED for d in outs)
         return _Decision(elementwise, tuple(reaches))
 
-    return _cached("decision", prim, params, primals, wrt, use_vjp, compute)
+    return _cached(
+        "decision", prim, params, primals, (tuple(idx), tuple(wrt)), use_vjp, compute
+    )
 
 
 def _check_linear(prim, params, operands, wrt, use_vjp) -> None:
@@ -1112,7 +1124,7 @@ def _custom_rule_body(prim, use_vjp):
         # scalar operand broadcast to a larger output has a single column, exact anyway.
         wrt = [i for i in idx if shape_of(primals[i]) == out_shape]
         decision = (
-            _rule_decision(prim, params, primals, wrt, out, use_vjp)
+            _rule_decision(prim, params, primals, idx, wrt, out, use_vjp)
             if wrt
             else _Decision(True, ())
         )
@@ -1125,32 +1137,58 @@ def _custom_rule_body(prim, use_vjp):
                 args[i] = x
             return jp.bind(prim, params, *args)[0]
 
-        # Diagonals, and where the rule selects its seed away (see `selected_away`).
+        # Diagonals (columns, for scalar operands), and where the rule selects its
+        # seed away (see `selected_away`). The rule is differentiated with respect
+        # to every active operand at once, as JAX differentiates the function: a
+        # rule with symbolic zeros is then given one only where JAX gives one.
+        at = [primals[i] for i in idx]
+
+        def seeds(i, seed):
+            return [seed if j == i else lax.full_like(primals[j], 0) for j in idx]
+
         diags, masks = {}, {}
-        if use_vjp and wrt:
+        if use_vjp:
             # One pullback gives every diagonal; the seeds are built from `out` so
             # that they carry its sharding.
-            _, pullback = jax.vjp(lambda *xs: f(xs, wrt), *[primals[i] for i in wrt])
-            ones = pullback(lax.full_like(out, 1))
-            reaches = decision.reaches
-            nans = None if all(reaches) else pullback(lax.full_like(out, jnp.nan))
-            for k, (i, one) in enumerate(zip(wrt, ones, strict=True)):
-                diags[i] = one
-                if not reaches[k]:
-                    assert nans is not None
-                    masks[i] = dropped_entries(one, nans[k])
-        for i in idx:
-            x = primals[i]
-            if i in diags:
-                continue
-            if i in wrt:
-                # Linearised once; the rule is then applied to two seeds.
-                _, linear = jax.linearize(lambda x, i=i: f([x], [i]), x)
-                reaches = decision.reaches[wrt.index(i)]
-                diags[i], masks[i] = selected_away(linear, x, reaches)
-            else:
-                jacobian = jax.jacrev if use_vjp else jax.jacfwd
-                diags[i] = jacobian(lambda x: f([x], [i]))(x)
+            _, pullback = jax.vjp(lambda *xs: f(xs, idx), *at)
+            if wrt:
+                ones = pullback(lax.full_like(out, 1))
+                nans = None
+                if not all(decision.reaches):
+                    nans = pullback(lax.full_like(out, jnp.nan))
+                for k, i in enumerate(wrt):
+                    diags[i] = ones[idx.index(i)]
+                    if not decision.reaches[k]:
+                        assert nans is not None
+                        masks[i] = dropped_entries(diags[i], nans[idx.index(i)])
+            scalars = [i for i in idx if i not in wrt]
+            if scalars:
+                # A column per scalar operand: one pullback per output entry.
+                size = math.prod(out_shape)
+
+                def column(m):
+                    seed = (lax.iota(np.int32, size) == m).reshape(out_shape)
+                    cts = pullback(seed.astype(out.dtype))
+                    return [cts[idx.index(i)] for i in scalars]
+
+                for i, col in zip(
+                    scalars, jax.vmap(column)(jnp.arange(size)), strict=True
+                ):
+                    diags[i] = col.reshape(out_shape)
+        else:
+            # Linearised once; the rule is then applied to two seeds per operand.
+            _, linear = jax.linearize(lambda *xs: f(xs, idx), *at)
+            for i in idx:
+                x = primals[i]
+
+                def along(t, i=i):
+                    return linear(*seeds(i, t))
+
+                if i in wrt:
+                    reaches = decision.reaches[wrt.index(i)]
+                    diags[i], masks[i] = selected_away(along, x, reaches)
+                else:
+                    diags[i] = along(lax.full_like(x, 1))
         partials: Partials = {
             (0, i): with_mask(
                 _broadcast_partial(
