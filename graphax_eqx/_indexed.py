@@ -1513,6 +1513,9 @@ class _SumTerms(threading.local):
     def __init__(self):
         self.depth = 0
         self.terms: dict[int, tuple[Array, tuple[tuple[Array, np.ndarray], ...]]] = {}
+        # id(value array) -> (the array, how many sums of disjoint terms it nests;
+        # see `_disjoint_terms`).
+        self.joined: dict[int, tuple[Array, int]] = {}
 
 
 _SUMS = _SumTerms()
@@ -1528,6 +1531,7 @@ def sums_as_gathers():
         _SUMS.depth -= 1
         if not _SUMS.depth:
             _SUMS.terms.clear()
+            _SUMS.joined.clear()
 
 
 def _terms_of(x: Array) -> tuple[tuple[Array, np.ndarray], ...]:
@@ -1545,9 +1549,12 @@ def _gathered_terms(x: Array, idx: np.ndarray) -> tuple[tuple[Array, np.ndarray]
     return tuple(out)
 
 
-def _emit_terms(terms: tuple[tuple[Array, np.ndarray], ...]) -> Array:
+def _emit_terms(terms: tuple[tuple[Array, np.ndarray], ...], joins=None) -> Array:
+    """The sum of `terms`; `joins`, a list, is told of a sum of disjoint terms."""
     disjoint = _disjoint_terms(terms)
     if disjoint is not None:
+        if joins is not None:
+            joins.append(disjoint)
         return disjoint
     total = None
     for base, index in terms:
@@ -1583,6 +1590,20 @@ def _disjoint_terms(terms: tuple[tuple[Array, np.ndarray], ...]) -> Array | None
     if np.any(at == offsets[-1]):
         joined = _with_zero(joined)
     return _take_last(joined, at)
+
+
+# A sum computed through more than this many sums of disjoint terms (`coo_add`) is
+# written to memory first: XLA CPU fuses the chain of concatenations, gathers and
+# additions into one kernel, and crashed (a segmentation fault) compiling one of 250
+# levels, the sum of a stack's rows in reverse order.
+MAX_NESTED_JOINS = 16
+
+
+def _nested_joins(x) -> int:
+    """How many sums of disjoint terms the value array `x` of a sum is computed
+    through, since it was last written to memory (see `MAX_NESTED_JOINS`)."""
+    entry = _SUMS.joined.get(id(x))
+    return entry[1] if entry is not None and entry[0] is x else 0
 
 
 def _reads_twice(at: np.ndarray, n: int) -> bool:
@@ -1905,9 +1926,15 @@ def coo_add(a: CooTensor, b: CooTensor, plan: CooSumPlan, dtype):
                 v = lax.broadcast_in_dim(v, shape, tuple(dims) + (len(shape) - 1,))
             terms.append(v)
         flat = bool(composed) and len(composed) <= MAX_SUM_TERMS
+        joins: list[Array] = []
         if gathered:
-            terms.append(_emit_terms(tuple(composed if flat else gathered)))
+            terms.append(_emit_terms(tuple(composed if flat else gathered), joins))
         val = terms[0] if len(terms) == 1 else lax.add(*terms)
+        nested = max(_nested_joins(x.val) for x in (a, b)) + len(joins)
+        if nested > MAX_NESTED_JOINS:
+            val, nested = jp.write_apart(val), 0
+        if nested and _SUMS.depth:
+            _SUMS.joined[id(val)] = (val, nested)
         if flat and len(terms) == 1:
             _SUMS.terms[id(val)] = (val, tuple(composed))
     mask = None

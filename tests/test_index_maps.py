@@ -2073,3 +2073,42 @@ def test_stacked_rows_are_put_together_not_summed(order):
     np.testing.assert_allclose(jax.jit(fun)(x), want, rtol=1e-6)
     sparse = graphax_eqx.jacve(f, order=order, sparse_representation=True)(x)
     np.testing.assert_allclose(sparse.dense(), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["fwd", "rev"])
+def test_chains_of_stacked_rows_are_written_to_memory(order):
+    """Summing a stack's rows puts them together by concatenation; a sum of such
+    sums feeds the next, and XLA CPU fuses the whole chain into one kernel (it
+    crashed compiling 250 levels in reverse order). The chain is written to memory
+    every `MAX_NESTED_JOINS` levels, so fused chains stay short."""
+    from jax.extend.core import Literal
+
+    def program(rows):
+        def f(x):
+            return jnp.stack(
+                [x[i % 20] * x[(i * 3) % 20] + x[(i + 1) % 20] for i in range(rows)]
+            )
+
+        return f
+
+    def longest_fused_chain(rows):
+        fun = graphax_eqx.jacve(program(rows), order=order)
+        run = {}
+        for eqn in jax.make_jaxpr(fun)(jnp.linspace(0.1, 1.0, 20)).jaxpr.eqns:
+            ins = [run.get(v, 0) for v in eqn.invars if not isinstance(v, Literal)]
+            here = max(ins, default=0)
+            if eqn.primitive.name == "write_apart":
+                here = 0
+            elif eqn.primitive is lax.concatenate_p:
+                here += 1
+            for v in eqn.outvars:
+                run[v] = here
+        return max(run.values())
+
+    # Without the writes, 150 rows fuse chains of about 300 concatenations.
+    assert longest_fused_chain(150) <= 100
+    x = jnp.linspace(0.1, 1.0, 20)
+    f = program(60)
+    np.testing.assert_allclose(
+        jax.jit(graphax_eqx.jacve(f, order=order))(x), jax.jacfwd(f)(x), rtol=1e-6
+    )
