@@ -1513,8 +1513,8 @@ class _SumTerms(threading.local):
     def __init__(self):
         self.depth = 0
         self.terms: dict[int, tuple[Array, tuple[tuple[Array, np.ndarray], ...]]] = {}
-        # id(value array) -> (the array, how many sums of disjoint terms it nests;
-        # see `_disjoint_terms`).
+        # id(value array of a sum) -> (the array, how many sums of disjoint terms
+        # it is computed through; see `MAX_NESTED_JOINS`).
         self.joined: dict[int, tuple[Array, int]] = {}
 
 
