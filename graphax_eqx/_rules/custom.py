@@ -1142,10 +1142,6 @@ def _custom_rule_body(prim, use_vjp):
         # to every active operand at once, as JAX differentiates the function: a
         # rule with symbolic zeros is then given one only where JAX gives one.
         at = [primals[i] for i in idx]
-
-        def seeds(i, seed):
-            return [seed if j == i else lax.full_like(primals[j], 0) for j in idx]
-
         diags, masks = {}, {}
         if use_vjp:
             # One pullback gives every diagonal; the seeds are built from `out` so
@@ -1182,7 +1178,13 @@ def _custom_rule_body(prim, use_vjp):
                 x = primals[i]
 
                 def along(t, i=i):
-                    return linear(*seeds(i, t))
+                    # `t` for operand `i`, zeros for the others.
+                    return linear(
+                        *[
+                            t if j == i else lax.full_like(at[k], 0)
+                            for k, j in enumerate(idx)
+                        ]
+                    )
 
                 if i in wrt:
                     reaches = decision.reaches[wrt.index(i)]
